@@ -1,0 +1,65 @@
+"""Engine configuration: one dataclass with every knob, validated in one place."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+GiB = 1 << 30
+
+
+def env_kv_cache_space() -> float | None:
+    """VLLM_CPU_KVCACHE_SPACE (or CPUSERVE_KVCACHE_SPACE) in GiB; 0 or unset means default."""
+    for name in ("CPUSERVE_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE"):
+        raw = os.environ.get(name)
+        if raw:
+            try:
+                value = float(raw)
+            except ValueError:
+                raise ValueError(f"{name}={raw!r} is not a number of GiB") from None
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0 GiB, got {value}")
+            if value > 0:
+                return value
+    return None
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None          # HF directory, .gguf file; None = the packaged SmolLM2
+    dtype: str = "auto"               # auto | float32 | bfloat16 | float16 (weights and KV cache)
+    kv_cache_dtype: str = "auto"      # auto (= dtype) | float32 | bfloat16 | float16
+    block_size: int = 128
+    kv_cache_space: float | None = None   # GiB; default from VLLM_CPU_KVCACHE_SPACE, else 4
+    num_kv_blocks: int | None = None      # exact block count (tests); overrides kv_cache_space
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # default: max(2048, max_model_len) when not chunking
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size % 16:
+            raise ValueError(f"block_size must be a positive multiple of 16, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported by this build yet")
+        if self.kv_cache_space is None:
+            self.kv_cache_space = env_kv_cache_space() or 4.0
+        if self.kv_cache_space <= 0:
+            raise ValueError(f"kv_cache_space must be > 0 GiB, got {self.kv_cache_space}")
+
+    def resolve_batched_tokens(self, max_model_len: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                    f"({max_model_len}) and chunked prefill is off: long prompts could never be scheduled. "
+                    "Enable chunked prefill or raise max_num_batched_tokens.")
+            return self.max_num_batched_tokens
+        return 2048 if self.enable_chunked_prefill else max(2048, max_model_len)

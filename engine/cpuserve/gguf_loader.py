@@ -1,0 +1,142 @@
+"""GGUF files: converted once into a Hugging Face directory (config.json,
+model.safetensors with dequantized float32 weights, tokenizer files with the
+chat template), cached by file identity so later starts load in about a second.
+
+The conversion undoes what llama.cpp's converter did: tensor names go back to
+Hugging Face names and the q/k row permutation of Llama rotary is reversed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+
+_LAYER_MAP = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_MAP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("CPUSERVE_CACHE", Path.home() / ".cache" / "cpuserve"))
+
+
+def hf_name(gguf_name: str) -> str:
+    base, _, kind = gguf_name.rpartition(".")  # kind: weight | bias
+    if base in _TOP_MAP:
+        return f"{_TOP_MAP[base]}.{kind}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_MAP:
+        return f"model.layers.{parts[1]}.{_LAYER_MAP[parts[2]]}.{kind}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
+
+
+def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of llama.cpp's permute() of q/k projection rows (interleaved -> halves)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _config(reader, arch: str, tensor_names: set[str]) -> dict:
+    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    n_head = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    vocab = int(g("vocab_size", 0)) or len(reader.fields["tokenizer.ggml.tokens"].data)
+    cfg = {
+        "architectures": {"llama": ["LlamaForCausalLM"], "qwen2": ["Qwen2ForCausalLM"],
+                          "qwen3": ["Qwen3ForCausalLM"]}[arch],
+        "model_type": arch,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(g("feed_forward_length")),
+        "num_hidden_layers": int(g("block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(g("attention.head_count_kv", n_head)),
+        "head_dim": int(g("attention.key_length", hidden // n_head)),
+        "max_position_embeddings": int(g("context_length")),
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(g("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+        "hidden_act": "silu",
+    }
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
+    if arch == "qwen2":
+        cfg["attention_bias"] = True
+    return cfg
+
+
+def convert(path: Path, out: Path) -> None:
+    import gguf
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    reader = gguf.GGUFReader(str(path))
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: "
+                         f"{', '.join(SUPPORTED_ARCHS)}); use the model's Hugging Face directory instead")
+    names = {t.name for t in reader.tensors}
+    cfg = _config(reader, arch, names)
+    tensors = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists ne0 (columns) first
+        w = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type),
+                                                  dtype=np.float32)).reshape(shape)
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            w = unpermute_rotary(w, cfg["num_attention_heads"])
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            w = unpermute_rotary(w, cfg["num_key_value_heads"])
+        tensors[name] = w.contiguous()
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.save_pretrained(str(out))
+    (out / "cpuserve_source.json").write_text(json.dumps({"gguf": str(path)}))
+
+
+def converted_dir(path: str | os.PathLike) -> Path:
+    """The cached Hugging Face directory for a GGUF file, converting it on first use."""
+    path = Path(path).resolve()
+    st = path.stat()
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|v1".encode()).hexdigest()[:16]
+    out = cache_root() / "gguf" / f"{path.stem}-{key}"
+    if (out / "config.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=out.parent))
+    try:
+        convert(path, tmp)
+        try:
+            tmp.rename(out)  # atomic: a concurrent converter may have won the race
+        except OSError:
+            if not (out / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

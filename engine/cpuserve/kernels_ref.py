@@ -1,0 +1,94 @@
+"""Plain torch reference implementations of every native kernel.
+
+They define what each kernel must compute; tests compare the native kernels
+against them. Written for clarity, not speed.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double()
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()).float()
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_dim: int, neox: bool):
+    """x [T, H*D]; returns the rotated copy."""
+    t = x.shape[0]
+    x = x.view(t, -1, head_dim).double().clone()
+    rot = cos_sin.shape[1]
+    cos, sin = cos_sin[positions].double().chunk(2, dim=-1)  # [T, rot/2]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    r = x[..., :rot]
+    if neox:
+        x1, x2 = r[..., : rot // 2], r[..., rot // 2:]
+        r = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    else:
+        x1, x2 = r[..., 0::2], r[..., 1::2]
+        r = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+    x[..., :rot] = r
+    return x.view(t, -1).float()
+
+
+def silu_and_mul(x):
+    d = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :d].double()).float() * x[..., d:]
+
+
+def gelu_and_mul(x, approximate="tanh"):
+    d = x.shape[-1] // 2
+    return torch.nn.functional.gelu(x[..., :d].double(), approximate=approximate).float() * x[..., d:]
+
+
+def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
+    _, hk, bs, d = k_cache.shape
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        b, off = divmod(slot, bs)
+        k_cache[b, :, off] = key[t].view(hk, d).to(k_cache.dtype)
+        v_cache[b, :, off] = value[t].view(hk, d).to(v_cache.dtype)
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_heads, scale,
+                    sliding_window=0, softcap=0.0):
+    """Gathers each sequence's keys/values from the cache and runs masked softmax attention."""
+    _, hk, bs, d = k_cache.shape
+    group = num_heads // hk
+    out = torch.empty(q.shape[0], num_heads * d)
+    for s in range(seq_lens.shape[0]):
+        ctx = int(seq_lens[s])
+        q0, q1 = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        nblk = math.ceil(ctx / bs)
+        blocks = block_tables[s, :nblk].long()
+        keys = k_cache[blocks].double().permute(1, 0, 2, 3).reshape(hk, nblk * bs, d)[:, :ctx]
+        vals = v_cache[blocks].double().permute(1, 0, 2, 3).reshape(hk, nblk * bs, d)[:, :ctx]
+        keys = keys.repeat_interleave(group, dim=0)
+        vals = vals.repeat_interleave(group, dim=0)
+        qs = q[q0:q1].view(q1 - q0, num_heads, d).double().transpose(0, 1)  # [H, L, D]
+        scores = qs @ keys.transpose(1, 2) * scale  # [H, L, ctx]
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        pos = torch.arange(ctx - (q1 - q0), ctx)[:, None]
+        kpos = torch.arange(ctx)[None, :]
+        mask = kpos <= pos
+        if sliding_window > 0:
+            mask &= (pos - kpos) < sliding_window
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out[q0:q1] = (scores.softmax(-1) @ vals).transpose(0, 1).reshape(q1 - q0, -1).float()
+    return out
+
+
+def linear(x, weight, bias=None):
+    y = x.double() @ weight.double().t()
+    if bias is not None:
+        y = y + bias.double()
+    return y.float()

@@ -1,0 +1,1 @@
+"""Model building blocks: plain Python objects over native kernels, sharded for tensor parallelism."""

@@ -1,0 +1,38 @@
+"""Token embedding and the LM head (which may share its table)."""
+from __future__ import annotations
+
+import torch
+
+from cpuserve import ops
+from cpuserve.distributed import TPGroup
+
+
+class Embedding:
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, scale: float | None = None):
+        self.weight = weight.to(dtype).contiguous()
+        # Gemma multiplies by sqrt(hidden) in the model dtype; keep that rounding.
+        self.scale = scale
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.weight[input_ids]
+        if self.scale is not None:
+            x = x * torch.tensor(self.scale, dtype=x.dtype)
+        return x.float()
+
+
+class LMHead:
+    """Column-parallel over the vocabulary; logits gathered across ranks."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, tp: TPGroup, bias: torch.Tensor | None = None,
+                 final_softcap: float | None = None):
+        start, n = tp.shard(weight.shape[0], "vocabulary size")
+        self.weight = ops.PackedWeight(weight[start:start + n].to(dtype))
+        self.bias = bias[start:start + n].float().contiguous() if bias is not None else None
+        self.tp = tp
+        self.final_softcap = final_softcap
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.tp.all_gather_last_dim(ops.linear(x, self.weight, self.bias))
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits

@@ -1,0 +1,34 @@
+"""Small helpers shared by the model files."""
+from __future__ import annotations
+
+import torch
+
+
+def rope_settings(config) -> tuple[float, dict | None]:
+    """(rope theta, rope scaling dict or None) across transformers config generations."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        scaling = params if params.get("rope_type", "default") != "default" else None
+        return float(params["rope_theta"]), scaling
+    return float(getattr(config, "rope_theta", 10000.0)), getattr(config, "rope_scaling", None)
+
+
+class Weights:
+    """The checkpoint's tensors, handed out once each so that nothing is left unused."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def take(self, name: str) -> torch.Tensor:
+        try:
+            return self.tensors.pop(name)
+        except KeyError:
+            raise KeyError(f"checkpoint has no tensor {name!r}") from None
+
+    def take_optional(self, name: str) -> torch.Tensor | None:
+        return self.tensors.pop(name, None)
+
+    def check_consumed(self, ignore: tuple[str, ...] = ()) -> None:
+        left = [n for n in self.tensors if not any(s in n for s in ignore)]
+        if left:
+            raise ValueError(f"checkpoint tensors not used by the model: {left[:8]}{' ...' if len(left) > 8 else ''}")

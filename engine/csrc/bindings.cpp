@@ -1,0 +1,97 @@
+// The one binding file: exposes each ISA's kernel table as a `Kernels` object.
+// Arguments are raw addresses (tensor.data_ptr()) plus sizes; cpuserve/ops.py
+// checks shapes, dtypes and contiguity before anything reaches this file.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <omp.h>
+#include <stdexcept>
+#include <string>
+#include <vector>
+#include "kernel_table.hpp"
+
+namespace py = pybind11;
+using cpuserve::DType;
+using cpuserve::KernelTable;
+
+namespace {
+
+template <typename T> T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
+
+DType to_dtype(int d) {
+  if (d < 0 || d > 2) throw std::invalid_argument("unknown dtype code " + std::to_string(d));
+  return static_cast<DType>(d);
+}
+
+struct Kernels {
+  const KernelTable* t;
+  explicit Kernels(const std::string& isa) {
+    t = isa.empty() ? cpuserve::best_table() : cpuserve::table_by_name(isa.c_str());
+    if (t == nullptr) throw std::invalid_argument("ISA '" + isa + "' is not compiled in or not supported by this CPU");
+  }
+};
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> out;
+  for (const char* n : {"avx512", "avx2", "neon", "vxe", "scalar"})
+    if (cpuserve::table_by_name(n) != nullptr) out.emplace_back(n);
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "cpuserve native kernels";
+  m.def("available_isas", &available_isas, "ISAs compiled in and supported by this CPU, best first");
+  m.def("omp_max_threads", []() { return omp_get_max_threads(); });
+  m.def("omp_set_num_threads", [](int n) { omp_set_num_threads(n); });
+
+  using G = py::call_guard<py::gil_scoped_release>;
+  py::class_<Kernels>(m, "Kernels")
+      .def(py::init<const std::string&>(), py::arg("isa") = "")
+      .def_property_readonly("isa", [](const Kernels& k) { return std::string(k.t->isa); })
+      .def_property_readonly("vec_width", [](const Kernels& k) { return k.t->vec_width; })
+      .def_property_readonly("gemm_nr", [](const Kernels& k) { return k.t->gemm_nr; })
+      .def("rms_norm", [](const Kernels& k, uintptr_t out, uintptr_t x, uintptr_t w, int64_t rows, int64_t dim,
+                          int64_t xs, int64_t os, float eps) {
+             k.t->rms_norm(ptr<float>(out), ptr<const float>(x), ptr<const float>(w), rows, dim, xs, os, eps);
+           }, G())
+      .def("fused_add_rms_norm", [](const Kernels& k, uintptr_t x, uintptr_t res, uintptr_t w, int64_t rows,
+                                    int64_t dim, int64_t xs, int64_t rs, float eps) {
+             k.t->fused_add_rms_norm(ptr<float>(x), ptr<float>(res), ptr<const float>(w), rows, dim, xs, rs, eps);
+           }, G())
+      .def("rotary", [](const Kernels& k, uintptr_t q, uintptr_t kk, uintptr_t pos, uintptr_t cs, int64_t tokens,
+                        int64_t hq, int64_t hk, int64_t d, int64_t rot, int64_t qs, int64_t ks, bool neox) {
+             k.t->rotary(ptr<float>(q), ptr<float>(kk), ptr<const int64_t>(pos), ptr<const float>(cs), tokens, hq,
+                         hk, d, rot, qs, ks, neox);
+           }, G())
+      .def("silu_and_mul", [](const Kernels& k, uintptr_t out, uintptr_t x, int64_t tokens, int64_t d, int64_t xs,
+                              int64_t os) {
+             k.t->silu_and_mul(ptr<float>(out), ptr<const float>(x), tokens, d, xs, os);
+           }, G())
+      .def("gelu_and_mul", [](const Kernels& k, uintptr_t out, uintptr_t x, int64_t tokens, int64_t d, int64_t xs,
+                              int64_t os, bool tanh_approx) {
+             k.t->gelu_and_mul(ptr<float>(out), ptr<const float>(x), tokens, d, xs, os, tanh_approx);
+           }, G())
+      .def("reshape_and_cache", [](const Kernels& k, uintptr_t key, uintptr_t value, uintptr_t kc, uintptr_t vc,
+                                   int dt, uintptr_t slots, int64_t tokens, int64_t heads, int64_t d, int64_t bs,
+                                   int64_t ks, int64_t vs) {
+             k.t->reshape_and_cache(ptr<const float>(key), ptr<const float>(value), ptr<void>(kc), ptr<void>(vc),
+                                    to_dtype(dt), ptr<const int64_t>(slots), tokens, heads, d, bs, ks, vs);
+           }, G())
+      .def("paged_attention", [](const Kernels& k, uintptr_t out, uintptr_t q, uintptr_t kc, uintptr_t vc, int dt,
+                                 uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens, uintptr_t qsl,
+                                 int64_t num_seqs, int64_t hq, int64_t hk, int64_t d, int64_t bs, float scale,
+                                 int64_t window, float softcap, int64_t qs, int64_t os) {
+             k.t->paged_attention(ptr<float>(out), ptr<const float>(q), ptr<const void>(kc), ptr<const void>(vc),
+                                  to_dtype(dt), ptr<const int32_t>(tables), max_blocks, ptr<const int32_t>(seq_lens),
+                                  ptr<const int32_t>(qsl), num_seqs, hq, hk, d, bs, scale, window, softcap, qs, os);
+           }, G())
+      .def("pack_weight", [](const Kernels& k, uintptr_t dst, uintptr_t src, int dt, int64_t n, int64_t kk) {
+             k.t->pack_weight(ptr<void>(dst), ptr<const void>(src), to_dtype(dt), n, kk);
+           }, G())
+      .def("gemm", [](const Kernels& k, uintptr_t c, uintptr_t a, uintptr_t w, int dt, uintptr_t bias, int64_t m,
+                      int64_t n, int64_t kk, int64_t lda, int64_t ldc) {
+             k.t->gemm(ptr<float>(c), ptr<const float>(a), ptr<const void>(w), to_dtype(dt),
+                       bias ? ptr<const float>(bias) : nullptr, m, n, kk, lda, ldc);
+           }, G());
+}

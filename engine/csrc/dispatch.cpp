@@ -1,0 +1,70 @@
+// Picks the kernel table for the running CPU: the best ISA that was compiled in
+// and that the CPU (and the OS, for AVX-512 register state) supports.
+#include <cstdlib>
+#include <cstring>
+#include <initializer_list>
+#include "kernel_table.hpp"
+
+#if defined(__s390x__)
+#include <sys/auxv.h>
+#ifndef HWCAP_S390_VXRS_EXT
+#define HWCAP_S390_VXRS_EXT 8192
+#endif
+#endif
+
+namespace cpuserve {
+
+#ifndef CPUSERVE_HAVE_AVX2
+const KernelTable* table_avx2() { return nullptr; }
+#endif
+#ifndef CPUSERVE_HAVE_AVX512
+const KernelTable* table_avx512() { return nullptr; }
+#endif
+#ifndef CPUSERVE_HAVE_NEON
+const KernelTable* table_neon() { return nullptr; }
+#endif
+#ifndef CPUSERVE_HAVE_VXE
+const KernelTable* table_vxe() { return nullptr; }
+#endif
+
+namespace {
+
+bool cpu_has(const char* isa) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  if (std::strcmp(isa, "avx512") == 0)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (std::strcmp(isa, "avx2") == 0)
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#elif defined(__aarch64__)
+  if (std::strcmp(isa, "neon") == 0) return true;  // Advanced SIMD is mandatory on AArch64
+#elif defined(__s390x__)
+  if (std::strcmp(isa, "vxe") == 0) return (getauxval(AT_HWCAP) & HWCAP_S390_VXRS_EXT) != 0;
+#endif
+  return std::strcmp(isa, "scalar") == 0;
+}
+
+}  // namespace
+
+const KernelTable* table_by_name(const char* name) {
+  const KernelTable* t = nullptr;
+  if (std::strcmp(name, "scalar") == 0) t = table_scalar();
+  else if (std::strcmp(name, "avx2") == 0) t = table_avx2();
+  else if (std::strcmp(name, "avx512") == 0) t = table_avx512();
+  else if (std::strcmp(name, "neon") == 0) t = table_neon();
+  else if (std::strcmp(name, "vxe") == 0) t = table_vxe();
+  return (t != nullptr && cpu_has(name)) ? t : nullptr;
+}
+
+const KernelTable* best_table() {
+  const char* forced = std::getenv("CPUSERVE_ISA");
+  if (forced != nullptr && *forced != '\0') {
+    if (const KernelTable* t = table_by_name(forced)) return t;
+  }
+  for (const char* isa : {"avx512", "avx2", "neon", "vxe"})
+    if (const KernelTable* t = table_by_name(isa)) return t;
+  return table_scalar();
+}
+
+}  // namespace cpuserve

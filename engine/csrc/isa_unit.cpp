@@ -1,0 +1,36 @@
+// One kernel table for one ISA. CMake compiles this file once per ISA with
+// CPUSERVE_ISA_<NAME> and CPUSERVE_TABLE_FN=table_<name> defined and that ISA's
+// flags; everything it includes has internal linkage, so the copies never mix.
+#include "kernel_table.hpp"
+#include "kernels/activation.hpp"
+#include "kernels/attention.hpp"
+#include "kernels/cache.hpp"
+#include "kernels/gemm.hpp"
+#include "kernels/norm.hpp"
+#include "kernels/rotary.hpp"
+
+#ifndef CPUSERVE_TABLE_FN
+#error "CPUSERVE_TABLE_FN must name the table function (e.g. table_avx2)"
+#endif
+
+namespace cpuserve {
+
+const KernelTable* CPUSERVE_TABLE_FN() {
+  static const KernelTable table = {
+      VecF::kIsa,
+      VecF::N,
+      kNR,
+      &rms_norm_impl,
+      &fused_add_rms_norm_impl,
+      &rotary_impl,
+      &silu_and_mul_impl,
+      &gelu_and_mul_impl,
+      &reshape_and_cache_impl,
+      &paged_attention_impl,
+      &pack_weight_impl,
+      &gemm_impl,
+  };
+  return &table;
+}
+
+}  // namespace cpuserve

@@ -1,0 +1,66 @@
+// The kernel interface: one table of function pointers per ISA. isa_unit.cpp
+// fills it for the ISA it is compiled for; dispatch.cpp picks the best table
+// the running CPU supports. Tensors travel as raw pointers plus shapes and
+// strides (in elements), so no torch headers are needed.
+#pragma once
+#include <cstdint>
+#include "dtype.hpp"
+
+namespace cpuserve {
+
+struct KernelTable {
+  const char* isa;
+  int vec_width;  // floats per vector register
+  int gemm_nr;    // panel width of packed weights (columns of W^T per panel)
+
+  // out[r, :] = x[r, :] / rms(x[r, :]) * w           (out may alias x)
+  void (*rms_norm)(float* out, const float* x, const float* w, int64_t rows, int64_t dim,
+                   int64_t x_stride, int64_t out_stride, float eps);
+  // residual += x; x = rms_norm(residual) * w       (both in place)
+  void (*fused_add_rms_norm)(float* x, float* residual, const float* w, int64_t rows, int64_t dim,
+                             int64_t x_stride, int64_t res_stride, float eps);
+  // In-place rotary embedding of q [T, Hq, D] and k [T, Hk, D] (token strides given);
+  // cos_sin [max_pos, rot_dim]: rot_dim/2 cosines then rot_dim/2 sines.
+  void (*rotary)(float* q, float* k, const int64_t* positions, const float* cos_sin, int64_t tokens,
+                 int64_t num_q_heads, int64_t num_k_heads, int64_t head_dim, int64_t rot_dim,
+                 int64_t q_stride, int64_t k_stride, bool neox);
+  // out[t, :d] = act(x[t, :d]) * x[t, d:2d]
+  void (*silu_and_mul)(float* out, const float* x, int64_t tokens, int64_t d, int64_t x_stride,
+                       int64_t out_stride);
+  void (*gelu_and_mul)(float* out, const float* x, int64_t tokens, int64_t d, int64_t x_stride,
+                       int64_t out_stride, bool tanh_approx);
+  // k_cache/v_cache [num_blocks, Hk, block_size, D] of cache_dtype; slot -1 is skipped.
+  void (*reshape_and_cache)(const float* key, const float* value, void* k_cache, void* v_cache,
+                            DType cache_dtype, const int64_t* slot_mapping, int64_t tokens,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                            int64_t key_stride, int64_t value_stride);
+  // Paged attention for a batch of sequences, each contributing q_len = qsl[s+1]-qsl[s]
+  // query tokens that are the last q_len positions of its seq_lens[s] context.
+  void (*paged_attention)(float* out, const float* q, const void* k_cache, const void* v_cache,
+                          DType cache_dtype, const int32_t* block_tables, int64_t max_blocks,
+                          const int32_t* seq_lens, const int32_t* query_start_loc, int64_t num_seqs,
+                          int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t block_size, float scale, int64_t sliding_window, float softcap,
+                          int64_t q_stride, int64_t out_stride);
+  // Packs W [N, K] (row-major, dtype wdt) into panels [ceil(N/nr)][K][nr], zero padded.
+  void (*pack_weight)(void* dst, const void* src, DType wdt, int64_t n, int64_t k);
+  // C[M, N] = A[M, K] @ W^T (+ bias), W packed by pack_weight. Every output element is
+  // one fused multiply-add chain over k in order, whatever M or the thread count:
+  // a row's result does not depend on the batch it is computed in.
+  void (*gemm)(float* c, const float* a, const void* w_packed, DType wdt, const float* bias,
+               int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldc);
+};
+
+// Tables compiled into this build (nullptr where the ISA is not built).
+const KernelTable* table_scalar();
+const KernelTable* table_avx2();
+const KernelTable* table_avx512();
+const KernelTable* table_neon();
+const KernelTable* table_vxe();
+
+// The best table the running CPU supports, or the one named by the
+// CPUSERVE_ISA environment variable (scalar, avx2, avx512, neon, vxe).
+const KernelTable* best_table();
+const KernelTable* table_by_name(const char* name);
+
+}  // namespace cpuserve

@@ -1,0 +1,63 @@
+// x86-64 AVX-512 (F, BW, VL, DQ): 16 floats per vector.
+#pragma once
+#include <immintrin.h>
+#include "../dtype.hpp"
+
+namespace cpuserve {
+namespace {  // internal linkage: every ISA unit has its own copy
+
+namespace avx512_detail {
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)), _mm512_set1_ps(88.3762626647949f));
+  __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+}  // namespace avx512_detail
+
+struct VecF {
+  static constexpr int N = 16;
+  static constexpr const char* kIsa = "avx512";
+  __m512 v;
+
+  static VecF zero() { return {_mm512_setzero_ps()}; }
+  static VecF set1(float x) { return {_mm512_set1_ps(x)}; }
+  static VecF load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static VecF load(const bf16* p) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+  }
+  static VecF load(const f16* p) {
+    return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+  }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  void store(bf16* p) const {
+    alignas(64) float t[N];
+    _mm512_store_ps(t, v);
+    for (int i = 0; i < N; ++i) p[i] = from_float<bf16>(t[i]);
+  }
+  void store(f16* p) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  }
+  friend VecF operator+(VecF a, VecF b) { return {_mm512_add_ps(a.v, b.v)}; }
+  friend VecF operator-(VecF a, VecF b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  friend VecF operator*(VecF a, VecF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  static VecF fma(VecF a, VecF b, VecF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  static VecF max(VecF a, VecF b) { return {_mm512_max_ps(a.v, b.v)}; }
+  float reduce_sum() const { return _mm512_reduce_add_ps(v); }
+  float reduce_max() const { return _mm512_reduce_max_ps(v); }
+  VecF exp() const { return {avx512_detail::exp_ps(v)}; }
+};
+
+}  // namespace
+}  // namespace cpuserve

@@ -1,0 +1,62 @@
+// AArch64 Advanced SIMD (NEON): 4 floats per vector; fp16 through vcvt.
+#pragma once
+#include <arm_neon.h>
+#include "../dtype.hpp"
+
+namespace cpuserve {
+namespace {  // internal linkage: every ISA unit has its own copy
+
+namespace neon_detail {
+inline float32x4_t exp_ps(float32x4_t x) {
+  x = vminq_f32(vmaxq_f32(x, vdupq_n_f32(-88.3762626647949f)), vdupq_n_f32(88.3762626647949f));
+  float32x4_t fx = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504088896341f)));
+  x = vfmsq_f32(x, fx, vdupq_n_f32(0.693359375f));
+  x = vfmsq_f32(x, fx, vdupq_n_f32(-2.12194440e-4f));
+  float32x4_t y = vdupq_n_f32(1.9875691500E-4f);
+  y = vfmaq_f32(vdupq_n_f32(1.3981999507E-3f), y, x);
+  y = vfmaq_f32(vdupq_n_f32(8.3334519073E-3f), y, x);
+  y = vfmaq_f32(vdupq_n_f32(4.1665795894E-2f), y, x);
+  y = vfmaq_f32(vdupq_n_f32(1.6666665459E-1f), y, x);
+  y = vfmaq_f32(vdupq_n_f32(5.0000001201E-1f), y, x);
+  y = vfmaq_f32(vaddq_f32(x, vdupq_n_f32(1.f)), y, vmulq_f32(x, x));
+  int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(fx), vdupq_n_s32(127)), 23);
+  return vmulq_f32(y, vreinterpretq_f32_s32(e));
+}
+}  // namespace neon_detail
+
+struct VecF {
+  static constexpr int N = 4;
+  static constexpr const char* kIsa = "neon";
+  float32x4_t v;
+
+  static VecF zero() { return {vdupq_n_f32(0.f)}; }
+  static VecF set1(float x) { return {vdupq_n_f32(x)}; }
+  static VecF load(const float* p) { return {vld1q_f32(p)}; }
+  static VecF load(const bf16* p) {
+    uint16x4_t h = vld1_u16(reinterpret_cast<const uint16_t*>(p));
+    return {vreinterpretq_f32_u32(vshll_n_u16(h, 16))};
+  }
+  static VecF load(const f16* p) {
+    return {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p))))};
+  }
+  void store(float* p) const { vst1q_f32(p, v); }
+  void store(bf16* p) const {
+    float t[N];
+    vst1q_f32(t, v);
+    for (int i = 0; i < N; ++i) p[i] = from_float<bf16>(t[i]);
+  }
+  void store(f16* p) const {
+    vst1_u16(reinterpret_cast<uint16_t*>(p), vreinterpret_u16_f16(vcvt_f16_f32(v)));
+  }
+  friend VecF operator+(VecF a, VecF b) { return {vaddq_f32(a.v, b.v)}; }
+  friend VecF operator-(VecF a, VecF b) { return {vsubq_f32(a.v, b.v)}; }
+  friend VecF operator*(VecF a, VecF b) { return {vmulq_f32(a.v, b.v)}; }
+  static VecF fma(VecF a, VecF b, VecF c) { return {vfmaq_f32(c.v, a.v, b.v)}; }
+  static VecF max(VecF a, VecF b) { return {vmaxq_f32(a.v, b.v)}; }
+  float reduce_sum() const { return vaddvq_f32(v); }
+  float reduce_max() const { return vmaxvq_f32(v); }
+  VecF exp() const { return {neon_detail::exp_ps(v)}; }
+};
+
+}  // namespace
+}  // namespace cpuserve

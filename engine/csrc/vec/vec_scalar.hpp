@@ -1,0 +1,41 @@
+// Portable fallback: a fixed-width array of floats. Compilers auto-vectorise
+// the loops for the baseline ISA; this path is also the reference the vector
+// paths are tested against in the C++ kernel tests.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include "../dtype.hpp"
+
+namespace cpuserve {
+namespace {  // internal linkage: every ISA unit has its own copy
+
+struct VecF {
+  static constexpr int N = 8;
+  static constexpr const char* kIsa = "scalar";
+  float v[N];
+
+  static VecF zero() { return set1(0.f); }
+  static VecF set1(float x) { VecF r; for (int i = 0; i < N; ++i) r.v[i] = x; return r; }
+  template <typename T> static VecF load(const T* p) {
+    VecF r;
+    for (int i = 0; i < N; ++i) r.v[i] = to_float(p[i]);
+    return r;
+  }
+  template <typename T> void store(T* p) const {
+    for (int i = 0; i < N; ++i) p[i] = from_float<T>(v[i]);
+  }
+  friend VecF operator+(VecF a, VecF b) { for (int i = 0; i < N; ++i) a.v[i] += b.v[i]; return a; }
+  friend VecF operator-(VecF a, VecF b) { for (int i = 0; i < N; ++i) a.v[i] -= b.v[i]; return a; }
+  friend VecF operator*(VecF a, VecF b) { for (int i = 0; i < N; ++i) a.v[i] *= b.v[i]; return a; }
+  static VecF fma(VecF a, VecF b, VecF c) {
+    for (int i = 0; i < N; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+    return c;
+  }
+  static VecF max(VecF a, VecF b) { for (int i = 0; i < N; ++i) a.v[i] = std::max(a.v[i], b.v[i]); return a; }
+  float reduce_sum() const { float s = 0.f; for (int i = 0; i < N; ++i) s += v[i]; return s; }
+  float reduce_max() const { float m = v[0]; for (int i = 1; i < N; ++i) m = std::max(m, v[i]); return m; }
+  VecF exp() const { VecF r; for (int i = 0; i < N; ++i) r.v[i] = std::exp(v[i]); return r; }
+};
+
+}  // namespace
+}  // namespace cpuserve

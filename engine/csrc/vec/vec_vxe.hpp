@@ -1,0 +1,48 @@
+// IBM Z vector facility with the z14 enhancements (VXE): 4 floats per vector.
+// z14 has no half-precision conversions, so float16 is not offered on s390x.
+#pragma once
+#include <vecintrin.h>
+#include <cmath>
+#include "../dtype.hpp"
+
+namespace cpuserve {
+namespace {  // internal linkage: every ISA unit has its own copy
+
+struct VecF {
+  static constexpr int N = 4;
+  static constexpr const char* kIsa = "vxe";
+  __vector float v;
+
+  static VecF zero() { return {vec_splats(0.f)}; }
+  static VecF set1(float x) { return {vec_splats(x)}; }
+  static VecF load(const float* p) { return {vec_xl(0, p)}; }
+  static VecF load(const bf16* p) {
+    __vector unsigned short h = vec_xl(0, reinterpret_cast<const unsigned short*>(p));
+    __vector unsigned int w = vec_unpackh(h);  // first four elements, zero-extended
+    return {reinterpret_cast<__vector float>(vec_sll(w, vec_splats(static_cast<unsigned char>(16))))};
+  }
+  static VecF load(const f16* p) {
+    VecF r;
+    for (int i = 0; i < N; ++i) r.v[i] = to_float(p[i]);
+    return r;
+  }
+  void store(float* p) const { vec_xst(v, 0, p); }
+  template <typename T> void store(T* p) const {
+    for (int i = 0; i < N; ++i) p[i] = from_float<T>(v[i]);
+  }
+  friend VecF operator+(VecF a, VecF b) { return {a.v + b.v}; }
+  friend VecF operator-(VecF a, VecF b) { return {a.v - b.v}; }
+  friend VecF operator*(VecF a, VecF b) { return {a.v * b.v}; }
+  static VecF fma(VecF a, VecF b, VecF c) { return {vec_madd(a.v, b.v, c.v)}; }
+  static VecF max(VecF a, VecF b) { return {vec_max(a.v, b.v)}; }
+  float reduce_sum() const { return (v[0] + v[1]) + (v[2] + v[3]); }
+  float reduce_max() const { return std::fmax(std::fmax(v[0], v[1]), std::fmax(v[2], v[3])); }
+  VecF exp() const {
+    VecF r;
+    for (int i = 0; i < N; ++i) r.v[i] = std::exp(v[i]);
+    return r;
+  }
+};
+
+}  // namespace
+}  // namespace cpuserve

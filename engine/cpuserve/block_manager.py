@@ -87,10 +87,13 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[int] = ()) -> bool:
         """Whether seq (with `prefix` blocks reused from the cache) can get slots for num_new_tokens."""
-        have = len(seq.block_table) if seq.block_table else len(prefix)
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - have
-        # prefix blocks sitting in the free queue are taken out of it by the hit
-        revived = sum(1 for b in prefix if self.blocks[b].ref_count == 0) if not seq.block_table else 0
+        if seq.block_table:
+            need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+            return need <= len(self.free)
+        # a new sequence: prefix blocks are reused, and those sitting in the free
+        # queue (ref count 0) are taken out of it by the hit
+        need = self.blocks_needed(len(prefix) * self.block_size + num_new_tokens) - len(prefix)
+        revived = sum(1 for b in prefix if self.blocks[b].ref_count == 0)
         return need <= len(self.free) - revived
 
     def allocate_prefix(self, seq: Sequence, prefix: list[int]) -> None:
@@ -144,8 +147,7 @@ class BlockManager:
                 else:
                     self.free[bid] = None
         seq.block_table = []
-        seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
+        seq.num_computed_tokens = 0  # num_cached_tokens stays: it is the request's statistic
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:

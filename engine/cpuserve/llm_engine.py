@@ -139,8 +139,8 @@ class LLMEngine:
             matched = det.update(seq.output_token_ids, check_stop=may_stop)
             if matched is not None:
                 reason, stop_reason = FinishReason.STOP, matched
-        else:
-            det.update(seq.output_token_ids, check_stop=False)
+        else:  # the stop token stays in token_ids but not in the text (as vLLM)
+            det.update(seq.output_token_ids[:-1], check_stop=False)
         if reason is None and p.max_tokens is not None and n_out >= p.max_tokens:
             reason = FinishReason.LENGTH
         if reason is None and len(seq) >= self.max_model_len:

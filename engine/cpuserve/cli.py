@@ -1,0 +1,83 @@
+"""`cpuserve` command line. `generate` runs the offline engine on prompts (the
+HTTP `serve` command arrives with the OpenAI-compatible server)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+DEMO_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about CPUs.",
+    "Explain what a KV cache is in one sentence.",
+    "List three prime numbers.",
+]
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="Hugging Face directory or .gguf file (default: packaged SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--kv-cache-space", type=float, default=None,
+                   help="GiB for the KV cache (default: VLLM_CPU_KVCACHE_SPACE, else 4)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(model=a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size,
+                kv_cache_space=a.kv_cache_space, max_num_seqs=a.max_num_seqs,
+                max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
+                enable_prefix_caching=a.enable_prefix_caching, enable_chunked_prefill=a.enable_chunked_prefill,
+                seed=a.seed)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from cpuserve import LLM, SamplingParams
+
+    kwargs = engine_kwargs(a)
+    t0 = time.perf_counter()
+    llm = LLM(kwargs.pop("model"), **kwargs)
+    print(f"# ready in {time.perf_counter() - t0:.2f}s", file=sys.stderr)
+    params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed)
+    prompts = a.prompt or DEMO_PROMPTS
+    t1 = time.perf_counter()
+    outs = [llm.chat([{"role": "user", "content": p}], params)[0] for p in prompts] if a.chat else \
+        llm.generate(prompts, params)
+    dt = time.perf_counter() - t1
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    for p, o in zip(prompts, outs):
+        print(f">>> {p}\n{o.outputs[0].text}\n")
+    print(f"# {n} tokens in {dt:.2f}s", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cpuserve", description="LLM serving on CPUs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate offline for a few prompts")
+    add_engine_args(g)
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable); default: a few demo prompts")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap prompts in the model's chat template")
+    g.set_defaults(func=cmd_generate)
+    a = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return a.func(a)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"cpuserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

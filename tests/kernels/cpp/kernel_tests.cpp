@@ -1,0 +1,188 @@
+// Every vector kernel table this CPU (or qemu) runs, against the scalar table:
+// same inputs, results within float tolerance. Built natively and with the
+// aarch64 / s390x cross toolchains (see `make test-kernels-cross`).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernel_table.hpp"
+
+using namespace cpuserve;
+
+namespace {
+
+std::vector<const KernelTable*> vector_tables() {
+  std::vector<const KernelTable*> out;
+  for (const char* n : {"avx512", "avx2", "neon", "vxe"})
+    if (const KernelTable* t = table_by_name(n)) out.push_back(t);
+  return out;
+}
+
+std::vector<float> randn(size_t n, uint32_t seed, float scale = 1.f) {
+  std::mt19937 g(seed);
+  std::normal_distribution<float> d(0.f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(g);
+  return v;
+}
+
+template <typename T> std::vector<T> convert(const std::vector<float>& v) {
+  std::vector<T> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    if constexpr (std::is_same<T, float>::value) out[i] = v[i];
+    else if constexpr (std::is_same<T, bf16>::value) {
+      uint32_t u; std::memcpy(&u, &v[i], 4); u += 0x7fffu + ((u >> 16) & 1u); out[i] = bf16{uint16_t(u >> 16)};
+    } else {  // f16 through float32 -> half via the table-independent reference below
+      float f = v[i]; uint32_t u; std::memcpy(&u, &f, 4);
+      uint32_t sign = (u >> 16) & 0x8000u, e = (u >> 23) & 0xff, m = u & 0x7fffffu;
+      int ne = int(e) - 127 + 15;
+      uint16_t h = (ne <= 0) ? uint16_t(sign) : (ne >= 31 ? uint16_t(sign | 0x7c00u) : uint16_t(sign | (ne << 10) | (m >> 13)));
+      out[i] = f16{h};
+    }
+  }
+  return out;
+}
+
+void expect_close(const std::vector<float>& a, const std::vector<float>& b, float tol) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i)
+    ASSERT_NEAR(a[i], b[i], tol * (1.f + std::fabs(b[i]))) << "at " << i;
+}
+
+class VectorVsScalar : public ::testing::TestWithParam<const KernelTable*> {};
+
+TEST(Dispatch, ScalarAlwaysPresent) {
+  ASSERT_NE(table_scalar(), nullptr);
+  ASSERT_NE(best_table(), nullptr);
+  std::printf("best ISA here: %s (vector tables: %zu)\n", best_table()->isa, vector_tables().size());
+}
+
+TEST_P(VectorVsScalar, RmsNormAndFusedAdd) {
+  const KernelTable* v = GetParam();
+  const KernelTable* s = table_scalar();
+  const int64_t rows = 5, dim = 77;
+  auto x = randn(rows * dim, 1), w = randn(dim, 2), r = randn(rows * dim, 3);
+  std::vector<float> o1(x.size()), o2(x.size());
+  v->rms_norm(o1.data(), x.data(), w.data(), rows, dim, dim, dim, 1e-5f);
+  s->rms_norm(o2.data(), x.data(), w.data(), rows, dim, dim, dim, 1e-5f);
+  expect_close(o1, o2, 1e-5f);
+  auto x1 = x, x2 = x, r1 = r, r2 = r;
+  v->fused_add_rms_norm(x1.data(), r1.data(), w.data(), rows, dim, dim, dim, 1e-6f);
+  s->fused_add_rms_norm(x2.data(), r2.data(), w.data(), rows, dim, dim, dim, 1e-6f);
+  expect_close(r1, r2, 0.f);
+  expect_close(x1, x2, 1e-5f);
+}
+
+TEST_P(VectorVsScalar, RotaryBothStyles) {
+  const int64_t t = 7, hq = 4, hk = 2, d = 72, rot = 72, max_pos = 50;
+  auto cs = randn(max_pos * rot, 4);
+  std::vector<int64_t> pos = {0, 3, 9, 17, 49, 1, 2};
+  for (bool neox : {true, false}) {
+    auto q1 = randn(t * hq * d, 5), k1 = randn(t * hk * d, 6);
+    auto q2 = q1, k2 = k1;
+    GetParam()->rotary(q1.data(), k1.data(), pos.data(), cs.data(), t, hq, hk, d, rot, hq * d, hk * d, neox);
+    table_scalar()->rotary(q2.data(), k2.data(), pos.data(), cs.data(), t, hq, hk, d, rot, hq * d, hk * d, neox);
+    expect_close(q1, q2, 1e-5f);
+    expect_close(k1, k2, 1e-5f);
+  }
+}
+
+TEST_P(VectorVsScalar, GatedActivations) {
+  const int64_t t = 3, d = 45;
+  auto x = randn(t * 2 * d, 7, 3.f);
+  std::vector<float> o1(t * d), o2(t * d);
+  GetParam()->silu_and_mul(o1.data(), x.data(), t, d, 2 * d, d);
+  table_scalar()->silu_and_mul(o2.data(), x.data(), t, d, 2 * d, d);
+  expect_close(o1, o2, 1e-5f);
+  GetParam()->gelu_and_mul(o1.data(), x.data(), t, d, 2 * d, d, true);
+  table_scalar()->gelu_and_mul(o2.data(), x.data(), t, d, 2 * d, d, true);
+  expect_close(o1, o2, 1e-5f);
+}
+
+template <typename T>
+void check_gemm(const KernelTable* v, DType dt, int64_t m, int64_t n, int64_t k) {
+  const KernelTable* s = table_scalar();
+  auto a = randn(m * k, 8);
+  auto w = convert<T>(randn(n * k, 9));
+  auto bias = randn(n, 10);
+  std::vector<T> pv(((n + v->gemm_nr - 1) / v->gemm_nr) * v->gemm_nr * k);
+  std::vector<T> ps(((n + s->gemm_nr - 1) / s->gemm_nr) * s->gemm_nr * k);
+  v->pack_weight(pv.data(), w.data(), dt, n, k);
+  s->pack_weight(ps.data(), w.data(), dt, n, k);
+  std::vector<float> c1(m * n), c2(m * n);
+  v->gemm(c1.data(), a.data(), pv.data(), dt, bias.data(), m, n, k, k, n);
+  s->gemm(c2.data(), a.data(), ps.data(), dt, bias.data(), m, n, k, k, n);
+  expect_close(c1, c2, 1e-4f);
+  // batch invariance inside the vector path: one row alone == that row in the batch
+  std::vector<float> row(n);
+  v->gemm(row.data(), a.data() + (m - 1) * k, pv.data(), dt, bias.data(), 1, n, k, k, n);
+  for (int64_t j = 0; j < n; ++j) ASSERT_EQ(row[j], c1[(m - 1) * n + j]);
+}
+
+TEST_P(VectorVsScalar, GemmAllDtypes) {
+  for (auto shape : std::vector<std::array<int64_t, 3>>{{1, 96, 64}, {13, 70, 33}, {50, 130, 400}}) {
+    check_gemm<float>(GetParam(), DType::F32, shape[0], shape[1], shape[2]);
+    check_gemm<bf16>(GetParam(), DType::BF16, shape[0], shape[1], shape[2]);
+#if !defined(__s390x__)
+    check_gemm<f16>(GetParam(), DType::F16, shape[0], shape[1], shape[2]);
+#endif
+  }
+}
+
+template <typename T>
+void check_attention(const KernelTable* v, DType dt, int64_t bs, int64_t group) {
+  const KernelTable* s = table_scalar();
+  const int64_t hk = 2, hq = hk * group, d = 64;
+  std::vector<int32_t> q_lens = {1, 19, 5}, ctx = {40, 19, 70};
+  std::vector<int32_t> qsl = {0};
+  for (auto l : q_lens) qsl.push_back(qsl.back() + l);
+  const int64_t max_blocks = (70 + bs - 1) / bs, nblocks = 3 * max_blocks;
+  std::vector<int32_t> tables(3 * max_blocks);
+  for (int64_t i = 0; i < 3 * max_blocks; ++i) tables[i] = int32_t((i * 7) % nblocks);
+  auto kc = convert<T>(randn(nblocks * hk * bs * d, 11));
+  auto vc = convert<T>(randn(nblocks * hk * bs * d, 12));
+  auto q = randn(qsl.back() * hq * d, 13);
+  std::vector<float> o1(q.size()), o2(q.size());
+  for (int64_t window : {int64_t(0), int64_t(16)}) {
+    v->paged_attention(o1.data(), q.data(), kc.data(), vc.data(), dt, tables.data(), max_blocks, ctx.data(),
+                       qsl.data(), 3, hq, hk, d, bs, 0.125f, window, 0.f, hq * d, hq * d);
+    s->paged_attention(o2.data(), q.data(), kc.data(), vc.data(), dt, tables.data(), max_blocks, ctx.data(),
+                       qsl.data(), 3, hq, hk, d, bs, 0.125f, window, 0.f, hq * d, hq * d);
+    expect_close(o1, o2, 2e-5f);
+  }
+}
+
+TEST_P(VectorVsScalar, PagedAttentionAllDtypesBlockSizesGqa) {
+  for (int64_t bs : {16, 32, 128})
+    for (int64_t group : {1, 4, 8}) {
+      check_attention<float>(GetParam(), DType::F32, bs, group);
+      check_attention<bf16>(GetParam(), DType::BF16, bs, group);
+#if !defined(__s390x__)
+      check_attention<f16>(GetParam(), DType::F16, bs, group);
+#endif
+    }
+}
+
+TEST_P(VectorVsScalar, ReshapeAndCache) {
+  const int64_t t = 9, hk = 3, d = 40, bs = 16, nblocks = 4;
+  auto key = randn(t * hk * d, 14), value = randn(t * hk * d, 15);
+  std::vector<int64_t> slots = {0, 5, 17, 63, -1, 33, 34, 2, 50};
+  std::vector<bf16> k1(nblocks * hk * bs * d), v1(k1.size()), k2(k1.size()), v2(k1.size());
+  GetParam()->reshape_and_cache(key.data(), value.data(), k1.data(), v1.data(), DType::BF16, slots.data(), t, hk, d,
+                                bs, hk * d, hk * d);
+  table_scalar()->reshape_and_cache(key.data(), value.data(), k2.data(), v2.data(), DType::BF16, slots.data(), t, hk,
+                                    d, bs, hk * d, hk * d);
+  ASSERT_EQ(0, std::memcmp(k1.data(), k2.data(), k1.size() * 2));
+  ASSERT_EQ(0, std::memcmp(v1.data(), v2.data(), v1.size() * 2));
+}
+
+std::string name_of(const ::testing::TestParamInfo<const KernelTable*>& info) { return info.param->isa; }
+
+}  // namespace
+
+INSTANTIATE_TEST_SUITE_P(Isa, VectorVsScalar, ::testing::ValuesIn(vector_tables()), name_of);
+GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(VectorVsScalar);

@@ -42,7 +42,9 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 rid = f"offline-{next(self._ids)}"
                 if isinstance(prompt, dict):
-                    prompt = prompt.get("prompt_token_ids") or prompt["prompt"]
+                    if "prompt_token_ids" not in prompt and "prompt" not in prompt:
+                        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                    prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
                 self.engine.add_request(rid, prompt, p)
                 ids.append(rid)
             return self._run(ids)

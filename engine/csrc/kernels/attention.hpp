@@ -14,6 +14,7 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+#include <omp.h>
 #include "../vec/vec.hpp"
 
 namespace cpuserve {
@@ -21,7 +22,8 @@ namespace {
 
 constexpr int64_t kQTile = 16;
 
-struct AttnItem { int32_t seq, kv_head, row0, rows; };
+// Rows [row0, row0 + rows) of one sequence, query heads [g0, g1) of kv head kv_head's group.
+struct AttnItem { int32_t seq, kv_head, row0, rows, g0, g1; };
 
 template <typename T>
 inline void convert_to_float(float* dst, const T* src, int64_t n) {
@@ -39,21 +41,71 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return s;
 }
 
+// Four dot products at once: four independent chains, each the same operations
+// as dot(), so a key's score does not depend on which keys share its group.
+inline void dot4(const float* q, const float* k, int64_t d, float* out) {
+  VecF a0 = VecF::zero(), a1 = VecF::zero(), a2 = VecF::zero(), a3 = VecF::zero();
+  int64_t i = 0;
+  for (; i + VecF::N <= d; i += VecF::N) {
+    const VecF qv = VecF::load(q + i);
+    a0 = VecF::fma(qv, VecF::load(k + i), a0);
+    a1 = VecF::fma(qv, VecF::load(k + d + i), a1);
+    a2 = VecF::fma(qv, VecF::load(k + 2 * d + i), a2);
+    a3 = VecF::fma(qv, VecF::load(k + 3 * d + i), a3);
+  }
+  float s[4] = {a0.reduce_sum(), a1.reduce_sum(), a2.reduce_sum(), a3.reduce_sum()};
+  for (; i < d; ++i)
+    for (int j = 0; j < 4; ++j) s[j] = std::fma(q[i], k[j * d + i], s[j]);
+  for (int j = 0; j < 4; ++j) out[j] = s[j];
+}
+
+// acc[0:d] = sum_j p[j] * v[j, 0:d] on top of acc, one FMA chain per element in
+// key order, with up to 8 vectors of the accumulator held in registers.
+inline void accumulate_values(float* acc, const float* p, const float* v, int64_t n, int64_t d) {
+  constexpr int kRegs = 8;
+  const int64_t dv = d / VecF::N * VecF::N;
+  for (int64_t e0 = 0; e0 < dv; e0 += kRegs * VecF::N) {
+    const int nv = static_cast<int>(std::min<int64_t>(kRegs, (dv - e0) / VecF::N));
+    VecF r[kRegs];
+    for (int i = 0; i < nv; ++i) r[i] = VecF::load(acc + e0 + i * VecF::N);
+    for (int64_t j = 0; j < n; ++j) {
+      const VecF pj = VecF::set1(p[j]);
+      const float* vr = v + j * d + e0;
+      for (int i = 0; i < nv; ++i) r[i] = VecF::fma(pj, VecF::load(vr + i * VecF::N), r[i]);
+    }
+    for (int i = 0; i < nv; ++i) r[i].store(acc + e0 + i * VecF::N);
+  }
+  for (int64_t e = dv; e < d; ++e)
+    for (int64_t j = 0; j < n; ++j) acc[e] = std::fma(p[j], v[j * d + e], acc[e]);
+}
+
 template <typename T>
 void paged_attention_t(float* out, const float* q, const T* k_cache, const T* v_cache,
                        const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
                        const int32_t* qsl, int64_t num_seqs, int64_t hq, int64_t hk, int64_t d,
                        int64_t bs, float scale, int64_t window, float softcap, int64_t q_stride,
                        int64_t out_stride) {
+  constexpr bool kConvert = !std::is_same<T, float>::value;
   const int64_t group = hq / hk;
   // The work list is rebuilt per call but reuses its storage: no allocation once warm.
+  // Splitting decode rows per query head re-reads each key/value tile `group`
+  // times, so it is done only when whole groups would leave threads idle.
+  int64_t group_items = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) group_items += (qsl[s + 1] - qsl[s] + kQTile - 1) / kQTile * hk;
+  const bool split_heads = group > 1 && group_items < 4 * static_cast<int64_t>(omp_get_max_threads());
   static thread_local std::vector<AttnItem> items;
   items.clear();
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int32_t q_len = qsl[s + 1] - qsl[s];
     for (int32_t r = 0; r < q_len; r += kQTile)
-      for (int32_t h = 0; h < hk; ++h)
-        items.push_back({static_cast<int32_t>(s), h, r, std::min<int32_t>(kQTile, q_len - r)});
+      for (int32_t h = 0; h < hk; ++h) {
+        const int32_t rows = std::min<int32_t>(kQTile, q_len - r);
+        if (q_len == 1 && split_heads) {
+          for (int32_t g = 0; g < group; ++g) items.push_back({static_cast<int32_t>(s), h, r, rows, g, g + 1});
+        } else {
+          items.push_back({static_cast<int32_t>(s), h, r, rows, 0, static_cast<int32_t>(group)});
+        }
+      }
   }
   const int64_t n_items = static_cast<int64_t>(items.size());
   const AttnItem* item_ptr = items.data();
@@ -62,13 +114,14 @@ void paged_attention_t(float* out, const float* q, const T* k_cache, const T* v_
   {
     // Per-thread scratch, sized once for the largest shape seen.
     static thread_local std::vector<float> scratch;
-    const size_t need = static_cast<size_t>(kQTile * group * (d + 2) + bs + d);
+    const size_t need = static_cast<size_t>(kQTile * group * (d + 2) + bs + (kConvert ? 2 * bs * d : 0));
     if (scratch.size() < need) scratch.resize(need);
     float* acc = scratch.data();                 // [rows][group][d]
     float* m = acc + kQTile * group * d;         // [rows][group]
     float* l = m + kQTile * group;               // [rows][group]
-    float* sc = l + kQTile * group;              // [bs]
-    float* kconv = sc + bs;                      // [d] one converted key or value row
+    float* sc = l + kQTile * group;              // [bs] scores, then probabilities
+    float* kbuf = sc + bs;                       // [bs][d] keys as float (narrow caches)
+    float* vbuf = kbuf + bs * d;                 // [bs][d] values as float
 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < n_items; ++it) {
@@ -79,47 +132,56 @@ void paged_attention_t(float* out, const float* q, const T* k_cache, const T* v_
       const int64_t last_pos = first_pos + w.rows - 1;
       const int64_t lo_key = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
       const int32_t* table = block_tables + w.seq * max_blocks;
+      const int64_t ng = w.g1 - w.g0;
 
-      for (int64_t i = 0; i < w.rows * group; ++i) {
+      for (int64_t i = 0; i < w.rows * ng; ++i) {
         m[i] = -std::numeric_limits<float>::infinity();
         l[i] = 0.f;
         std::fill(acc + i * d, acc + (i + 1) * d, 0.f);
       }
       for (int64_t b = lo_key / bs; b * bs <= last_pos; ++b) {
         const int64_t tile = (static_cast<int64_t>(table[b]) * hk + w.kv_head) * bs * d;
-        const T* kb = k_cache + tile;
-        const T* vb = v_cache + tile;
         const int64_t base = b * bs;
+        // keys this tile's rows can see in this block
+        const int64_t blk_lo = std::max<int64_t>(base, window > 0 ? first_pos - window + 1 : 0) - base;
+        const int64_t blk_hi = std::min<int64_t>(base + bs - 1, last_pos) - base;  // inclusive
+        const float* kb;
+        const float* vb;
+        if constexpr (kConvert) {
+          convert_to_float(kbuf + blk_lo * d, k_cache + tile + blk_lo * d, (blk_hi - blk_lo + 1) * d);
+          convert_to_float(vbuf + blk_lo * d, v_cache + tile + blk_lo * d, (blk_hi - blk_lo + 1) * d);
+          kb = kbuf;
+          vb = vbuf;
+        } else {
+          kb = k_cache + tile;
+          vb = v_cache + tile;
+        }
         for (int64_t r = 0; r < w.rows; ++r) {
           const int64_t pos = first_pos + r;
           const int64_t k_lo = std::max<int64_t>(base, window > 0 ? pos - window + 1 : 0);
           const int64_t k_hi = std::min<int64_t>(base + bs - 1, pos);  // inclusive
           if (k_lo > k_hi) continue;
+          const int64_t n = k_hi - k_lo + 1;
+          const float* kr = kb + (k_lo - base) * d;
           const int64_t tok = qsl[w.seq] + w.row0 + r;
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t head = w.kv_head * group + g;
-            const float* qv = q + tok * q_stride + head * d;
-            const int64_t st = r * group + g;
-            // scores
+          for (int64_t g = w.g0; g < w.g1; ++g) {
+            const float* qv = q + tok * q_stride + (w.kv_head * group + g) * d;
+            const int64_t st = r * ng + (g - w.g0);
+            int64_t j = 0;
+            for (; j + 4 <= n; j += 4) dot4(qv, kr + j * d, d, sc + j);
+            for (; j < n; ++j) sc[j] = dot(qv, kr + j * d, d);
             float blk_max = -std::numeric_limits<float>::infinity();
-            for (int64_t j = k_lo; j <= k_hi; ++j) {
-              float s;
-              if constexpr (std::is_same<T, float>::value) {
-                s = dot(qv, kb + (j - base) * d, d) * scale;
-              } else {
-                convert_to_float(kconv, kb + (j - base) * d, d);
-                s = dot(qv, kconv, d) * scale;
-              }
+            for (j = 0; j < n; ++j) {
+              float s = sc[j] * scale;
               if (softcap > 0.f) s = softcap * std::tanh(s / softcap);
-              sc[j - k_lo] = s;
+              sc[j] = s;
               blk_max = std::max(blk_max, s);
             }
-            const int64_t n = k_hi - k_lo + 1;
             const float m_new = std::max(m[st], blk_max);
             const float alpha = std::exp(m[st] - m_new);  // exp(-inf) = 0 on the first block
             // probabilities (vector exp in fixed chunks of the key index)
             const VecF vmax = VecF::set1(m_new);
-            int64_t j = 0;
+            j = 0;
             for (; j + VecF::N <= n; j += VecF::N) (VecF::load(sc + j) - vmax).exp().store(sc + j);
             for (; j < n; ++j) sc[j] = std::exp(sc[j] - m_new);
             float psum = 0.f;
@@ -127,25 +189,20 @@ void paged_attention_t(float* out, const float* q, const T* k_cache, const T* v_
             l[st] = l[st] * alpha + psum;
             m[st] = m_new;
             float* a = acc + st * d;
-            const VecF va = VecF::set1(alpha);
-            int64_t e = 0;
-            for (; e + VecF::N <= d; e += VecF::N) (VecF::load(a + e) * va).store(a + e);
-            for (; e < d; ++e) a[e] *= alpha;
-            for (j = 0; j < n; ++j) {
-              const T* vrow = vb + (k_lo + j - base) * d;
-              const VecF p = VecF::set1(sc[j]);
-              e = 0;
-              for (; e + VecF::N <= d; e += VecF::N)
-                VecF::fma(p, VecF::load(vrow + e), VecF::load(a + e)).store(a + e);
-              for (; e < d; ++e) a[e] = std::fma(sc[j], to_float(vrow[e]), a[e]);
+            if (alpha != 1.f) {
+              const VecF va = VecF::set1(alpha);
+              int64_t e = 0;
+              for (; e + VecF::N <= d; e += VecF::N) (VecF::load(a + e) * va).store(a + e);
+              for (; e < d; ++e) a[e] *= alpha;
             }
+            accumulate_values(a, sc, vb + (k_lo - base) * d, n, d);
           }
         }
       }
       for (int64_t r = 0; r < w.rows; ++r) {
         const int64_t tok = qsl[w.seq] + w.row0 + r;
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t st = r * group + g;
+        for (int64_t g = w.g0; g < w.g1; ++g) {
+          const int64_t st = r * ng + (g - w.g0);
           const float inv = l[st] > 0.f ? 1.f / l[st] : 0.f;
           float* o = out + tok * out_stride + (w.kv_head * group + g) * d;
           const float* a = acc + st * d;

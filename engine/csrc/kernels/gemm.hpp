@@ -42,58 +42,91 @@ void pack_weight_impl(void* dst, const void* src, DType dt, int64_t n, int64_t k
   }
 }
 
-// MR x NR micro-kernel over one K block. `first` starts the chain at zero,
-// otherwise it continues from C. `cols` < NR only in the last (padded) panel.
-template <int MR, typename T>
-inline void micro_kernel(const float* a, int64_t lda, const T* b, int64_t kc, float* c, int64_t ldc,
-                         bool first, int cols) {
-  VecF acc0[MR], acc1[MR];
+// MR x (NP panels of NR) micro-kernel over one K block. `first` starts the chain
+// at zero, otherwise it continues from C. `cols` < NR only in the last (padded)
+// panel, which is always handled with NP = 1. Small MR use several panels at
+// once so that decode (M = 1, 2) keeps 8 independent FMA chains in flight
+// instead of waiting on the latency of 2; each output element is still the
+// same single chain, so results do not depend on MR or NP.
+template <int MR, int NP, typename T>
+inline void micro_kernel(const float* a, int64_t lda, const T* b, int64_t panel_stride, int64_t kc,
+                         float* c, int64_t ldc, bool first, int cols) {
+  VecF acc[MR][NP][2];
   alignas(64) float tmp[kNR];
-  for (int r = 0; r < MR; ++r) {
-    if (first) {
-      acc0[r] = VecF::zero();
-      acc1[r] = VecF::zero();
-    } else if (cols == kNR) {
-      acc0[r] = VecF::load(c + r * ldc);
-      acc1[r] = VecF::load(c + r * ldc + VecF::N);
-    } else {
-      std::memset(tmp, 0, sizeof(tmp));
-      std::memcpy(tmp, c + r * ldc, sizeof(float) * cols);
-      acc0[r] = VecF::load(tmp);
-      acc1[r] = VecF::load(tmp + VecF::N);
+  for (int r = 0; r < MR; ++r)
+    for (int q = 0; q < NP; ++q) {
+      float* cp = c + r * ldc + q * kNR;
+      if (first) {
+        acc[r][q][0] = VecF::zero();
+        acc[r][q][1] = VecF::zero();
+      } else if (cols == kNR) {
+        acc[r][q][0] = VecF::load(cp);
+        acc[r][q][1] = VecF::load(cp + VecF::N);
+      } else {
+        std::memset(tmp, 0, sizeof(tmp));
+        std::memcpy(tmp, cp, sizeof(float) * cols);
+        acc[r][q][0] = VecF::load(tmp);
+        acc[r][q][1] = VecF::load(tmp + VecF::N);
+      }
     }
-  }
   for (int64_t kk = 0; kk < kc; ++kk) {
-    const VecF b0 = VecF::load(b + kk * kNR);
-    const VecF b1 = VecF::load(b + kk * kNR + VecF::N);
+    VecF b0[NP], b1[NP];
+    for (int q = 0; q < NP; ++q) {
+      b0[q] = VecF::load(b + q * panel_stride + kk * kNR);
+      b1[q] = VecF::load(b + q * panel_stride + kk * kNR + VecF::N);
+    }
     for (int r = 0; r < MR; ++r) {
       const VecF av = VecF::set1(a[r * lda + kk]);
-      acc0[r] = VecF::fma(av, b0, acc0[r]);
-      acc1[r] = VecF::fma(av, b1, acc1[r]);
+      for (int q = 0; q < NP; ++q) {
+        acc[r][q][0] = VecF::fma(av, b0[q], acc[r][q][0]);
+        acc[r][q][1] = VecF::fma(av, b1[q], acc[r][q][1]);
+      }
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    if (cols == kNR) {
-      acc0[r].store(c + r * ldc);
-      acc1[r].store(c + r * ldc + VecF::N);
-    } else {
-      acc0[r].store(tmp);
-      acc1[r].store(tmp + VecF::N);
-      std::memcpy(c + r * ldc, tmp, sizeof(float) * cols);
+  for (int r = 0; r < MR; ++r)
+    for (int q = 0; q < NP; ++q) {
+      float* cp = c + r * ldc + q * kNR;
+      if (cols == kNR) {
+        acc[r][q][0].store(cp);
+        acc[r][q][1].store(cp + VecF::N);
+      } else {
+        acc[r][q][0].store(tmp);
+        acc[r][q][1].store(tmp + VecF::N);
+        std::memcpy(cp, tmp, sizeof(float) * cols);
+      }
     }
-  }
 }
 
+// Runs rows [r, r + mr) against panels [p, p1): as many panels at once as the
+// register budget allows for this mr. Returns nothing; covers the whole range.
 template <typename T>
-inline void micro_dispatch(int mr, const float* a, int64_t lda, const T* b, int64_t kc, float* c,
-                           int64_t ldc, bool first, int cols) {
-  switch (mr) {
-    case 6: return micro_kernel<6>(a, lda, b, kc, c, ldc, first, cols);
-    case 5: return micro_kernel<5>(a, lda, b, kc, c, ldc, first, cols);
-    case 4: return micro_kernel<4>(a, lda, b, kc, c, ldc, first, cols);
-    case 3: return micro_kernel<3>(a, lda, b, kc, c, ldc, first, cols);
-    case 2: return micro_kernel<2>(a, lda, b, kc, c, ldc, first, cols);
-    default: return micro_kernel<1>(a, lda, b, kc, c, ldc, first, cols);
+inline void micro_rows(int mr, const float* a, int64_t lda, const T* w, int64_t k, int64_t k0, int64_t kc,
+                       float* c, int64_t ldc, int64_t p, int64_t p1, int64_t n, bool first) {
+  const int64_t ps = k * kNR;  // distance between panels
+  auto full = [&](int64_t q) { return (q + 1) * kNR <= n; };
+  while (p < p1) {
+    const T* bp = w + p * ps + k0 * kNR;
+    float* cp = c + p * kNR;
+    const int cols = static_cast<int>(std::min<int64_t>(kNR, n - p * kNR));
+    if (mr == 1 && p + 4 <= p1 && full(p + 3)) {
+      micro_kernel<1, 4>(a, lda, bp, ps, kc, cp, ldc, first, kNR);
+      p += 4;
+      continue;
+    }
+    if (mr == 2 && p + 2 <= p1 && full(p + 1)) {
+      micro_kernel<2, 2>(a, lda, bp, ps, kc, cp, ldc, first, kNR);
+      p += 2;
+      continue;
+    }
+    switch (mr) {
+      case 6: micro_kernel<6, 1>(a, lda, bp, ps, kc, cp, ldc, first, cols); break;
+      case 5: micro_kernel<5, 1>(a, lda, bp, ps, kc, cp, ldc, first, cols); break;
+      case 4: micro_kernel<4, 1>(a, lda, bp, ps, kc, cp, ldc, first, cols); break;
+      case 3: micro_kernel<3, 1>(a, lda, bp, ps, kc, cp, ldc, first, cols); break;
+      case 2: micro_kernel<2, 1>(a, lda, bp, ps, kc, cp, ldc, first, cols); break;
+      default: micro_kernel<1, 1>(a, lda, bp, ps, kc, cp, ldc, first, cols); break;
+    }
+    ++p;
   }
 }
 
@@ -103,7 +136,8 @@ void gemm_t(float* c, const float* a, const T* w, const float* bias, int64_t m, 
   const int64_t panels = (n + kNR - 1) / kNR;
   const int64_t m_tiles = (m + kMC - 1) / kMC;
   // Enough panel groups to keep every thread busy, few enough to reuse A from L2.
-  const int64_t per_group = std::max<int64_t>(1, std::min<int64_t>(8, panels * m_tiles / 64));
+  int64_t per_group = std::max<int64_t>(1, std::min<int64_t>(8, panels * m_tiles / 64));
+  if (m <= 2) per_group = std::max<int64_t>(4, (per_group + 3) / 4 * 4);
   const int64_t groups = (panels + per_group - 1) / per_group;
 #pragma omp parallel for schedule(static) collapse(2) if (m * n * k > 32768)
   for (int64_t mt = 0; mt < m_tiles; ++mt) {
@@ -112,14 +146,16 @@ void gemm_t(float* c, const float* a, const T* w, const float* bias, int64_t m, 
       const int64_t p0 = g * per_group, p1 = std::min(panels, p0 + per_group);
       for (int64_t k0 = 0; k0 < k; k0 += kKC) {
         const int64_t kc = std::min(kKC, k - k0);
-        for (int64_t p = p0; p < p1; ++p) {
-          const T* bp = w + p * k * kNR + k0 * kNR;
-          const int cols = static_cast<int>(std::min<int64_t>(kNR, n - p * kNR));
+        if (m1 - m0 <= 2) {  // decode: wide over panels
+          micro_rows(static_cast<int>(m1 - m0), a + m0 * lda + k0, lda, w, k, k0, kc, c + m0 * ldc, ldc, p0, p1,
+                     n, k0 == 0);
+          continue;
+        }
+        for (int64_t p = p0; p < p1; ++p)  // one panel chunk reused by every row tile
           for (int64_t r = m0; r < m1; r += kMR) {
             const int mr = static_cast<int>(std::min<int64_t>(kMR, m1 - r));
-            micro_dispatch(mr, a + r * lda + k0, lda, bp, kc, c + r * ldc + p * kNR, ldc, k0 == 0, cols);
+            micro_rows(mr, a + r * lda + k0, lda, w, k, k0, kc, c + r * ldc, ldc, p, p + 1, n, k0 == 0);
           }
-        }
       }
       if (bias != nullptr)
         for (int64_t r = m0; r < m1; ++r)

@@ -7,7 +7,6 @@ or a .gguf file (converted once, see gguf_loader).
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 import torch
@@ -43,22 +42,36 @@ def resolve(model: str | None) -> Path:
 
 
 def load_config(model_dir: Path):
-    from transformers import AutoConfig
+    from cpuserve.hf_config import load_config as read
 
-    try:
-        return AutoConfig.from_pretrained(str(model_dir))
-    except (ValueError, KeyError) as e:
-        raw = json.loads((model_dir / "config.json").read_text())
-        raise ValueError(f"{model_dir}: cannot read config (model_type={raw.get('model_type')!r}): {e}") from None
+    return read(model_dir)
 
 
-def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the directory's safetensors files (memory-mapped, read lazily)."""
-    from safetensors import safe_open
+class LazyTensors:
+    """name -> tensor, read from the safetensors files only when popped, so that
+    loading never holds the whole checkpoint next to the packed weights."""
 
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():
-                out[name] = sf.get_tensor(name)
-    return out
+    def __init__(self, files: list[Path]):
+        from safetensors import safe_open
+
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {name: h for h in self._handles for name in h.keys()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __iter__(self):
+        return iter(list(self._where))
+
+    def pop(self, name: str, *default):
+        h = self._where.pop(name, None)
+        if h is None:
+            if default:
+                return default[0]
+            raise KeyError(name)
+        return h.get_tensor(name)
+
+
+def load_state_dict(model_dir: Path) -> LazyTensors:
+    """The directory's safetensors tensors, read lazily."""
+    return LazyTensors(sorted(model_dir.glob("*.safetensors")))

@@ -16,7 +16,7 @@ def rope_settings(config) -> tuple[float, dict | None]:
 class Weights:
     """The checkpoint's tensors, handed out once each so that nothing is left unused."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]):
+    def __init__(self, tensors):  # a dict, or model_loader.LazyTensors
         self.tensors = tensors
 
     def take(self, name: str) -> torch.Tensor:

@@ -106,8 +106,8 @@ def convert(path: Path, out: Path) -> None:
     for t in reader.tensors:
         name = hf_name(t.name)
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists ne0 (columns) first
-        w = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type),
-                                                  dtype=np.float32)).reshape(shape)
+        # a writable copy: the reader's arrays are views of the read-only memory map
+        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(shape)
         if arch == "llama" and name.endswith("q_proj.weight"):
             w = unpermute_rotary(w, cfg["num_attention_heads"])
         elif arch == "llama" and name.endswith("k_proj.weight"):

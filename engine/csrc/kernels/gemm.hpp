@@ -18,7 +18,7 @@ namespace {
 constexpr int kNR = 2 * VecF::N;
 constexpr int kMR = 6;
 constexpr int64_t kKC = 384;   // K block: an NR-wide panel chunk stays in L1
-constexpr int64_t kMC = 48;    // rows of A per work item (8 micro-tiles)
+constexpr int64_t kMC = 72;    // at most about this many rows of A per work item
 
 template <typename T>
 void pack_weight_t(T* dst, const T* src, int64_t n, int64_t k) {
@@ -134,7 +134,10 @@ template <typename T>
 void gemm_t(float* c, const float* a, const T* w, const float* bias, int64_t m, int64_t n, int64_t k,
             int64_t lda, int64_t ldc) {
   const int64_t panels = (n + kNR - 1) / kNR;
+  // Row tiles of at most ~kMC rows, as even as possible and multiples of kMR, so
+  // that e.g. M = 64 is one tile (each weight panel read once), not 48 + 16.
   const int64_t m_tiles = (m + kMC - 1) / kMC;
+  const int64_t mc = ((m + m_tiles - 1) / m_tiles + kMR - 1) / kMR * kMR;
   // Enough panel groups to keep every thread busy, few enough to reuse A from L2.
   int64_t per_group = std::max<int64_t>(1, std::min<int64_t>(8, panels * m_tiles / 64));
   if (m <= 2) per_group = std::max<int64_t>(4, (per_group + 3) / 4 * 4);
@@ -142,7 +145,8 @@ void gemm_t(float* c, const float* a, const T* w, const float* bias, int64_t m, 
 #pragma omp parallel for schedule(static) collapse(2) if (m * n * k > 32768)
   for (int64_t mt = 0; mt < m_tiles; ++mt) {
     for (int64_t g = 0; g < groups; ++g) {
-      const int64_t m0 = mt * kMC, m1 = std::min(m, m0 + kMC);
+      const int64_t m0 = mt * mc, m1 = std::min(m, m0 + mc);
+      if (m0 >= m) continue;
       const int64_t p0 = g * per_group, p1 = std::min(panels, p0 + per_group);
       for (int64_t k0 = 0; k0 < k; k0 += kKC) {
         const int64_t kc = std::min(kKC, k - k0);

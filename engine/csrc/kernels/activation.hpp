@@ -28,11 +28,7 @@ void silu_and_mul_impl(float* out, const float* x, int64_t tokens, int64_t d, in
     for (; i + VecF::N <= d; i += VecF::N) {
       VecF gv = VecF::load(g + i);
       // silu(g) = g / (1 + exp(-g)); the vector exp is accurate to ~1 ulp.
-      VecF e = (zero - gv).exp();
-      alignas(64) float num[VecF::N], den[VecF::N];
-      (gv * VecF::load(u + i)).store(num);
-      (one + e).store(den);
-      for (int j = 0; j < VecF::N; ++j) o[i + j] = num[j] / den[j];
+      ((gv * VecF::load(u + i)) / (one + (zero - gv).exp())).store(o + i);
     }
     for (; i < d; ++i) o[i] = silu(g[i]) * u[i];
   }

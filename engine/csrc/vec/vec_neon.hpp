@@ -51,6 +51,7 @@ struct VecF {
   friend VecF operator+(VecF a, VecF b) { return {vaddq_f32(a.v, b.v)}; }
   friend VecF operator-(VecF a, VecF b) { return {vsubq_f32(a.v, b.v)}; }
   friend VecF operator*(VecF a, VecF b) { return {vmulq_f32(a.v, b.v)}; }
+  friend VecF operator/(VecF a, VecF b) { return {vdivq_f32(a.v, b.v)}; }
   static VecF fma(VecF a, VecF b, VecF c) { return {vfmaq_f32(c.v, a.v, b.v)}; }
   static VecF max(VecF a, VecF b) { return {vmaxq_f32(a.v, b.v)}; }
   float reduce_sum() const { return vaddvq_f32(v); }

@@ -27,6 +27,7 @@ struct VecF {
   friend VecF operator+(VecF a, VecF b) { for (int i = 0; i < N; ++i) a.v[i] += b.v[i]; return a; }
   friend VecF operator-(VecF a, VecF b) { for (int i = 0; i < N; ++i) a.v[i] -= b.v[i]; return a; }
   friend VecF operator*(VecF a, VecF b) { for (int i = 0; i < N; ++i) a.v[i] *= b.v[i]; return a; }
+  friend VecF operator/(VecF a, VecF b) { for (int i = 0; i < N; ++i) a.v[i] /= b.v[i]; return a; }
   static VecF fma(VecF a, VecF b, VecF c) {
     for (int i = 0; i < N; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
     return c;

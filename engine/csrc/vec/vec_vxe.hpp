@@ -34,6 +34,7 @@ struct VecF {
   friend VecF operator+(VecF a, VecF b) { return {a.v + b.v}; }
   friend VecF operator-(VecF a, VecF b) { return {a.v - b.v}; }
   friend VecF operator*(VecF a, VecF b) { return {a.v * b.v}; }
+  friend VecF operator/(VecF a, VecF b) { return {a.v / b.v}; }
   static VecF fma(VecF a, VecF b, VecF c) { return {vec_madd(a.v, b.v, c.v)}; }
   static VecF max(VecF a, VecF b) { return {vec_max(a.v, b.v)}; }
   float reduce_sum() const { return (v[0] + v[1]) + (v[2] + v[3]); }

@@ -7,6 +7,7 @@ or a .gguf file (converted once, see gguf_loader).
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import torch
@@ -47,15 +48,28 @@ def load_config(model_dir: Path):
     return read(model_dir)
 
 
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
 class LazyTensors:
-    """name -> tensor, read from the safetensors files only when popped, so that
-    loading never holds the whole checkpoint next to the packed weights."""
+    """name -> tensor, read from the safetensors files only when popped, with
+    plain file reads (no memory map: mapped file pages would count in the
+    process's resident memory for as long as any tensor referenced them)."""
 
     def __init__(self, files: list[Path]):
-        from safetensors import safe_open
-
-        self._handles = [safe_open(str(f), framework="pt") for f in files]
-        self._where = {name: h for h in self._handles for name in h.keys()}
+        self._where: dict[str, tuple[Path, dict, int]] = {}
+        for f in files:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                try:
+                    header = json.loads(fh.read(n))
+                except ValueError as e:
+                    raise ValueError(f"{f}: not a safetensors file ({e})") from None
+            for name, info in header.items():
+                if name != "__metadata__":
+                    self._where[name] = (f, info, 8 + n)
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -64,12 +78,23 @@ class LazyTensors:
         return iter(list(self._where))
 
     def pop(self, name: str, *default):
-        h = self._where.pop(name, None)
-        if h is None:
+        entry = self._where.pop(name, None)
+        if entry is None:
             if default:
                 return default[0]
             raise KeyError(name)
-        return h.get_tensor(name)
+        path, info, base = entry
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        buf = bytearray(end - start)
+        with open(path, "rb") as fh:
+            fh.seek(base + start)
+            if fh.readinto(buf) != len(buf):
+                raise ValueError(f"{path}: truncated data for tensor {name}")
+        return torch.frombuffer(buf, dtype=dtype).reshape(info["shape"]) if buf else \
+            torch.empty(info["shape"], dtype=dtype)
 
 
 def load_state_dict(model_dir: Path) -> LazyTensors:

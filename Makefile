@@ -9,7 +9,8 @@ BUILD  ?= build
 
 # torch comes from PyPI (on x86 that wheel is a CUDA build; it runs fine on the CPU).
 DEPS := torch numpy "transformers>=4.50" tokenizers safetensors "gguf>=0.10" jinja2 accelerate \
-        pybind11 "scikit-build-core>=0.10" pytest pytest-timeout matplotlib
+        fastapi uvicorn pyzmq prometheus-client \
+        pybind11 "scikit-build-core>=0.10" pytest pytest-timeout matplotlib openai httpx psutil hypothesis schemathesis
 
 .PHONY: install run test test-python test-kernels-cpp test-kernels-cross bench clean
 
@@ -25,7 +26,7 @@ $(STAMP): $(ENGINE_SRC)
 	touch $@
 
 run: install
-	$(PY) -m cpuserve generate
+	$(PY) -m cpuserve serve
 
 test: test-kernels-cpp test-kernels-cross test-python
 

@@ -1,5 +1,5 @@
-"""`cpuserve` command line. `generate` runs the offline engine on prompts (the
-HTTP `serve` command arrives with the OpenAI-compatible server)."""
+"""`cpuserve` command line: `serve` (the OpenAI-compatible server) and
+`generate` (the offline engine on a few prompts)."""
 from __future__ import annotations
 
 import argparse
@@ -59,9 +59,32 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    import os
+
+    from cpuserve.config import EngineConfig
+    from cpuserve.serve import run
+
+    kwargs = engine_kwargs(a)
+    config = EngineConfig(**kwargs, tensor_parallel_size=a.tensor_parallel_size,
+                          served_model_name=a.served_model_name)
+    api_key = a.api_key or os.environ.get("CPUSERVE_API_KEY") or os.environ.get("VLLM_API_KEY")
+    return run(config, a.host, a.port, a.served_model_name, api_key, a.max_waiting_requests)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cpuserve", description="LLM serving on CPUs")
     sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    add_engine_args(s)
+    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="model name clients use (default: smollm2 / dir name)")
+    s.add_argument("--api-key", default=None, help="require this bearer token on /v1 (or CPUSERVE_API_KEY)")
+    s.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="queue bound: further requests get 503 until the queue drains")
+    s.add_argument("--tensor-parallel-size", type=int, default=1)
+    s.set_defaults(func=cmd_serve)
     g = sub.add_parser("generate", help="generate offline for a few prompts")
     add_engine_args(g)
     g.add_argument("--prompt", action="append", help="a prompt (repeatable); default: a few demo prompts")

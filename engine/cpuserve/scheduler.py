@@ -31,6 +31,25 @@ class ScheduledBatch:
         return bool(self.seqs)
 
 
+def admission_error(prompt_len: int, max_tokens: int | None, max_model_len: int, num_blocks: int, block_size: int,
+                    chunked_prefill: bool, max_num_batched_tokens: int) -> str | None:
+    """Why a request could never be served, or None. Pure: the API process asks it
+    before sending a request, the engine core again on arrival."""
+    if prompt_len >= max_model_len:
+        return (f"the prompt has {prompt_len} tokens, which leaves no room to generate within "
+                f"the model's maximum context length of {max_model_len} tokens")
+    if not chunked_prefill and prompt_len > max_num_batched_tokens:
+        return (f"the prompt has {prompt_len} tokens, more than max_num_batched_tokens "
+                f"({max_num_batched_tokens}) with chunked prefill off")
+    total = min(max_model_len, prompt_len + (max_tokens or max_model_len))
+    need = (total + block_size - 1) // block_size
+    if need > num_blocks:
+        return (f"the request needs up to {total} tokens of KV cache ({need} blocks of {block_size}) but the whole "
+                f"cache holds {num_blocks} blocks; raise the KV cache space (VLLM_CPU_KVCACHE_SPACE / "
+                "--kv-cache-space) or lower max_tokens")
+    return None
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True):
@@ -46,18 +65,10 @@ class Scheduler:
     # -- admission ------------------------------------------------------------------
     def check_admissible(self, prompt_len: int, max_tokens: int | None) -> None:
         """Raises ValueError for a request that could never be served."""
-        if prompt_len >= self.max_model_len:
-            raise ValueError(f"the prompt has {prompt_len} tokens, which leaves no room to generate within "
-                             f"the model's maximum context length of {self.max_model_len} tokens")
-        if not self.chunked_prefill and prompt_len > self.max_num_batched_tokens:
-            raise ValueError(f"the prompt has {prompt_len} tokens, more than max_num_batched_tokens "
-                             f"({self.max_num_batched_tokens}) with chunked prefill off")
-        total = min(self.max_model_len, prompt_len + (max_tokens or self.max_model_len))
-        if self.bm.blocks_needed(total) > self.bm.num_blocks:
-            raise ValueError(f"the request needs up to {total} tokens of KV cache "
-                             f"({self.bm.blocks_needed(total)} blocks of {self.bm.block_size}) but the whole "
-                             f"cache holds {self.bm.num_blocks} blocks; raise the KV cache space "
-                             "(VLLM_CPU_KVCACHE_SPACE / --kv-cache-space) or lower max_tokens")
+        err = admission_error(prompt_len, max_tokens, self.max_model_len, self.bm.num_blocks, self.bm.block_size,
+                              self.chunked_prefill, self.max_num_batched_tokens)
+        if err:
+            raise ValueError(err)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

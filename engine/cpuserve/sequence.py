@@ -43,6 +43,7 @@ class Sequence:
         self.logprobs: list[dict[int, float]] = []
         self.output_text_len = 0           # set by the detokenizer when stop strings truncate
         self.generator = None              # per-sequence torch.Generator when seeded
+        self.first_scheduled: float | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,0 +1,75 @@
+"""Prometheus metrics under vLLM's names, so existing dashboards work unchanged."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+            40.0, 80.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        r, lbl = self.registry, ["model_name"]
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", lbl, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", lbl, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full", lbl, registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      lbl, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", lbl, registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Preemptions (recompute)", lbl, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed", lbl, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", lbl, registry=r)
+        self.request_success = Counter("vllm:request_success", "Finished requests", lbl + ["finished_reason"],
+                                       registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", lbl, buckets=_LATENCY,
+                              registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens", lbl, buckets=_LATENCY,
+                             registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency", lbl, buckets=_LATENCY, registry=r)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Time waiting before first scheduled", lbl,
+                               buckets=_LATENCY, registry=r)
+        self.labels = {"model_name": model_name}
+        self._last = {"queries": 0, "hits": 0, "preempt": 0, "prompt": 0, "gen": 0}
+
+    def update_stats(self, s) -> None:
+        L = self.labels
+        self.running.labels(**L).set(s.num_running)
+        self.waiting.labels(**L).set(s.num_waiting)
+        self.kv_usage.labels(**L).set(s.kv_cache_usage)
+        for key, counter, value in (("queries", self.prefix_queries, s.prefix_cache_queries),
+                                    ("hits", self.prefix_hits, s.prefix_cache_hits),
+                                    ("preempt", self.preemptions, s.num_preemptions),
+                                    ("prompt", self.prompt_tokens, s.prompt_tokens),
+                                    ("gen", self.generation_tokens, s.generation_tokens)):
+            if value > self._last[key]:
+                counter.labels(**L).inc(value - self._last[key])
+                self._last[key] = value
+
+
+class RequestTimer:
+    """Per-request latency bookkeeping, observed into Metrics as tokens arrive."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+        self.start = time.monotonic()
+        self.last: float | None = None
+
+    def token(self, queued_s: float | None = None) -> None:
+        now = time.monotonic()
+        L = self.m.labels
+        if self.last is None:
+            self.m.ttft.labels(**L).observe(now - self.start)
+            if queued_s is not None:
+                self.m.queue.labels(**L).observe(queued_s)
+        else:
+            self.m.itl.labels(**L).observe(now - self.last)
+        self.last = now
+
+    def finish(self, reasons: list[str | None]) -> None:
+        L = self.m.labels
+        self.m.e2e.labels(**L).observe(time.monotonic() - self.start)
+        for r in reasons:
+            self.m.request_success.labels(finished_reason=r or "abort", **L).inc()

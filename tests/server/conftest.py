@@ -1,0 +1,60 @@
+"""Starts `cpuserve serve` as a real process on a free loopback port."""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "cpuserve", "serve", "--host", "127.0.0.1", "--port",
+                                      str(self.port), "--dtype", "float32", "--block-size", "16",
+                                      "--kv-cache-space", "1", *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("server did not become healthy in time")
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.stdout.read() if self.proc.stdout else ""
+
+
+@pytest.fixture(scope="session")
+def server():
+    s = Server("--served-model-name", "smollm2")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    from openai import OpenAI
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)

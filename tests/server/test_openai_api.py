@@ -1,0 +1,107 @@
+"""The running server through the official openai client: completions and chat,
+streaming and not, n > 1, logprobs, stop sequences; and its utility endpoints."""
+import httpx
+import pytest
+
+from cpuserve import SamplingParams
+
+PROMPT = "The three primary colors are"
+CHAT = [{"role": "user", "content": "Name three fruits."}]
+
+
+def test_completion_matches_offline_engine(client, llm_f32):
+    r = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=24, temperature=0)
+    want = llm_f32.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    assert r.choices[0].text == want.text
+    assert r.choices[0].finish_reason == want.finish_reason
+    assert r.usage.completion_tokens == len(want.token_ids)
+    assert r.usage.prompt_tokens == len(llm_f32.get_tokenizer().encode(PROMPT))
+
+
+def test_completion_stream_equals_non_stream(client):
+    full = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens and not chunks[-1].choices
+
+
+def test_chat_stream_and_not(client, llm_f32):
+    full = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=30, temperature=0)
+    want = llm_f32.chat(CHAT, SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
+    assert full.choices[0].message.content == want.text and full.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=30, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == want.finish_reason
+
+
+def test_n_and_seed(client):
+    kw = dict(model="smollm2", prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=7, n=3)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1
+    chat = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=8, n=2, temperature=1, seed=1)
+    assert len(chat.choices) == 2
+
+
+def test_multiple_prompts(client):
+    r = client.completions.create(model="smollm2", prompt=["Hello", "Goodbye"], max_tokens=4, temperature=0, n=2)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+
+
+def test_logprobs(client):
+    r = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 5 and all(len(t) == 3 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert all(lp.token_logprobs[i] == max(lp.top_logprobs[i].values()) for i in range(5))  # greedy = top-1
+    c = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+
+
+def test_stop_sequences(client):
+    full = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=30, temperature=0).choices[0].text
+    stop = full.split()[3]
+    r = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
+    assert full.startswith(r.choices[0].text)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="smollm2", prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop], stream=True) if c.choices)
+    assert streamed == r.choices[0].text
+
+
+def test_models_tokenize_detokenize_version(server, client):
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
+    t = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert t["count"] == len(t["tokens"]) > 0
+    assert httpx.post(server.url + "/detokenize", json={"tokens": t["tokens"]}).json()["prompt"] == "Hello world"
+    chat = httpx.post(server.url + "/tokenize", json={"messages": CHAT}).json()
+    assert chat["count"] > t["count"]
+    assert httpx.get(server.url + "/version").json()["version"]
+
+
+def test_request_id_echoed(server):
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                   headers={"X-Request-Id": "abc-123"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "abc-123"
+    assert httpx.get(server.url + "/health").headers["x-request-id"]
+
+
+def test_metrics_named_as_vllm(server, client):
+    client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=3, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+                 "vllm:request_success_total"):
+        assert name in text, name
+    gen = [ln for ln in text.splitlines() if ln.startswith("vllm:generation_tokens_total")]
+    assert float(gen[0].split()[-1]) >= 3

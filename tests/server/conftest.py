@@ -3,6 +3,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -20,14 +21,16 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # a file, not a pipe: an unread pipe fills up and would block the server's logging
+        self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "cpuserve", "serve", "--host", "127.0.0.1", "--port",
                                       str(self.port), "--dtype", "float32", "--block-size", "16",
                                       "--kv-cache-space", "1", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, text=True)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.proc.stdout.read()}")
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.output()}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
@@ -37,6 +40,10 @@ class Server:
         self.stop()
         raise RuntimeError("server did not become healthy in time")
 
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
     def stop(self) -> str:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -44,7 +51,7 @@ class Server:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        return self.proc.stdout.read() if self.proc.stdout else ""
+        return self.output()
 
 
 @pytest.fixture(scope="session")

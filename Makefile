@@ -53,6 +53,7 @@ test-kernels-cross:
 
 bench: install
 	$(PY) benchmarks/offline_throughput.py
+	$(PY) benchmarks/serving.py
 
 clean:
 	rm -rf $(BUILD) engine/build

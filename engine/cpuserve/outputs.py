@@ -1,4 +1,5 @@
-"""What a request gives back, in vLLM's shapes."""
+"""What a request gives back (vLLM's shapes), and what the engine core sends
+the API process. Plain dataclasses: the API process imports them without torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -26,3 +27,30 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+
+
+@dataclass
+class SeqOutput:
+    """One step's result for one sequence: a new token and/or its end."""
+    request_id: str
+    index: int
+    token_id: int | None
+    logprobs: dict[int, float] | None = None
+    finish_reason: str | None = None       # stop | length | abort
+    stop_reason: int | None = None         # the stop token id, when one ended it
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    queued_s: float | None = None          # arrival -> first scheduled, on the first output
+
+
+@dataclass
+class CoreStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0

@@ -4,16 +4,11 @@ invalid values become a 400 with the offending parameter named."""
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from cpuserve.sampling_params import SamplingParams
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 class StreamOptions(BaseModel):

@@ -26,20 +26,24 @@ async def serve(config: EngineConfig, host: str, port: int, served_model_name: s
             server.should_exit = True
 
     engine = AsyncEngine(config, max_waiting_requests, on_dead=on_dead)
-    try:
-        await engine.start()
-    except RuntimeError as e:
-        log.error("%s", e)
-        await engine.shutdown()
-        return 1
     name = served_model_name or ("smollm2" if config.model in (None, "", "default") else
                                  config.model.rstrip("/").split("/")[-1])
     app = build_app(engine, name, api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=5))
+    # Listen from the start: /health and every route answer 503 until the model is loaded.
+    serving = asyncio.create_task(server.serve())
+    try:
+        await engine.start()
+    except RuntimeError as e:
+        log.error("%s", e)
+        server.should_exit = True
+        await serving
+        await engine.shutdown()
+        return 1
     log.info("serving %s on http://%s:%d/v1", name, host, port)
     try:
-        await server.serve()
+        await serving
     finally:
         await engine.shutdown()
     return 1 if engine.dead else 0

@@ -149,3 +149,37 @@ def test_engine_core_death_fails_requests_and_exits_nonzero():
         assert s.proc.wait(30) != 0
     finally:
         s.stop()
+
+
+def test_503_while_loading_then_ready():
+    """The port opens before the model is loaded; until then every route answers 503."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.server.conftest import free_port
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-m", "cpuserve", "serve", "--host", "127.0.0.1", "--port", str(port),
+                             "--dtype", "float32", "--kv-cache-space", "0.5"], stdout=log, stderr=subprocess.STDOUT)
+    seen = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                r = httpx.get(url + "/health", timeout=1)
+            except httpx.HTTPError:
+                time.sleep(0.05)
+                continue
+            seen.append(r.status_code)
+            if r.status_code == 503:
+                busy = httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=5)
+                assert busy.status_code == 503 and "loading" in busy.json()["error"]["message"]
+            if r.status_code == 200:
+                break
+            time.sleep(0.05)
+        assert seen and seen[0] == 503 and seen[-1] == 200, seen
+    finally:
+        proc.terminate()
+        proc.wait(20)

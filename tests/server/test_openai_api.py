@@ -1,7 +1,6 @@
 """The running server through the official openai client: completions and chat,
 streaming and not, n > 1, logprobs, stop sequences; and its utility endpoints."""
 import httpx
-import pytest
 
 from cpuserve import SamplingParams
 

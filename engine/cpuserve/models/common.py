@@ -32,3 +32,17 @@ class Weights:
         left = [n for n in self.tensors if not any(s in n for s in ignore)]
         if left:
             raise ValueError(f"checkpoint tensors not used by the model: {left[:8]}{' ...' if len(left) > 8 else ''}")
+
+
+class CausalLM:
+    """What every model class shares: its attention layers (for the KV cache) and the LM head."""
+
+    layers: list
+    lm_head: object
+
+    @property
+    def attention_layers(self) -> list:
+        return [layer.attn for layer in self.layers]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -12,7 +12,7 @@ from cpuserve.layers.embedding import Embedding, LMHead
 from cpuserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from cpuserve.layers.norm import RMSNorm
 from cpuserve.layers.rotary import RotaryEmbedding
-from cpuserve.models.common import Weights
+from cpuserve.models.common import CausalLM, Weights
 
 _ACTS = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
 
@@ -70,7 +70,7 @@ class Gemma3DecoderLayer:
         return h + self.post_ff_norm(self.down(x))
 
 
-class Gemma3ForCausalLM:
+class Gemma3ForCausalLM(CausalLM):
     def __init__(self, config, weights: Weights, dtype: torch.dtype, tp: TPGroup):
         c = config
         act = getattr(c, "hidden_activation", None) or c.hidden_act
@@ -89,15 +89,9 @@ class Gemma3ForCausalLM:
                               final_softcap=getattr(c, "final_logit_softcapping", None))
         weights.check_consumed()
 
-    @property
-    def attention_layers(self):
-        return [layer.attn for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed(input_ids)
         for layer in self.layers:
             h = layer(positions, h)
         return self.norm(h)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)

@@ -8,7 +8,7 @@ from cpuserve.layers.attention import PagedAttention
 from cpuserve.layers.embedding import Embedding, LMHead
 from cpuserve.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from cpuserve.layers.norm import LayerNorm
-from cpuserve.models.common import Weights
+from cpuserve.models.common import CausalLM, Weights
 
 _ACTS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
@@ -40,7 +40,7 @@ class GPT2Block:
         return h + self.mlp_proj(x)
 
 
-class GPT2LMHeadModel:
+class GPT2LMHeadModel(CausalLM):
     def __init__(self, config, weights: Weights, dtype: torch.dtype, tp: TPGroup):
         c = config
         if c.activation_function not in _ACTS:
@@ -55,15 +55,9 @@ class GPT2LMHeadModel:
         self.lm_head = LMHead(wte if lm is None else lm, dtype, tp)
         weights.check_consumed(ignore=(".attn.bias", ".attn.masked_bias"))
 
-    @property
-    def attention_layers(self):
-        return [layer.attn for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed(input_ids) + self.wpe[positions]
         for layer in self.layers:
             h = layer(h)
         return self.ln_f(h).contiguous()
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)

@@ -10,7 +10,7 @@ from cpuserve.layers.embedding import Embedding, LMHead
 from cpuserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from cpuserve.layers.norm import RMSNorm
 from cpuserve.layers.rotary import RotaryEmbedding
-from cpuserve.models.common import Weights, rope_settings
+from cpuserve.models.common import CausalLM, Weights, rope_settings
 
 
 class LlamaDecoderLayer:
@@ -57,7 +57,7 @@ class LlamaDecoderLayer:
         return h, residual
 
 
-class LlamaForCausalLM:
+class LlamaForCausalLM(CausalLM):
     def __init__(self, config, weights: Weights, dtype: torch.dtype, tp: TPGroup):
         c = config
         act = getattr(c, "hidden_act", "silu")
@@ -74,9 +74,6 @@ class LlamaForCausalLM:
         self.lm_head = LMHead(embed if lm is None or getattr(c, "tie_word_embeddings", False) else lm, dtype, tp)
         weights.check_consumed(ignore=("rotary_emb.inv_freq",))
 
-    @property
-    def attention_layers(self) -> list[PagedAttention]:
-        return [layer.attn for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h, residual = self.embed(input_ids), None
@@ -84,6 +81,3 @@ class LlamaForCausalLM:
             h, residual = layer(positions, h, residual)
         h, _ = self.norm(h, residual)
         return h
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)

@@ -8,7 +8,7 @@ from cpuserve.layers.attention import PagedAttention
 from cpuserve.layers.embedding import Embedding, LMHead
 from cpuserve.layers.linear import ColumnParallelLinear, Linear, QKVParallelLinear, RowParallelLinear
 from cpuserve.layers.norm import LayerNorm
-from cpuserve.models.common import Weights
+from cpuserve.models.common import CausalLM, Weights
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
 
@@ -42,7 +42,7 @@ class OPTDecoderLayer:
         return h
 
 
-class OPTForCausalLM:
+class OPTForCausalLM(CausalLM):
     def __init__(self, config, weights: Weights, dtype: torch.dtype, tp: TPGroup):
         c = config
         if c.activation_function != "relu":
@@ -62,9 +62,6 @@ class OPTForCausalLM:
         self.lm_head = LMHead(embed if lm is None else lm, dtype, tp)
         weights.check_consumed()
 
-    @property
-    def attention_layers(self):
-        return [layer.attn for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed(input_ids)
@@ -78,6 +75,3 @@ class OPTForCausalLM:
         if self.project_out is not None:
             h = self.project_out(h)
         return h.contiguous()
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)

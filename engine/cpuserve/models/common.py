@@ -34,6 +34,19 @@ class Weights:
             raise ValueError(f"checkpoint tensors not used by the model: {left[:8]}{' ...' if len(left) > 8 else ''}")
 
 
+def attention_projections(w: Weights, prefix: str, head_dim: int, dtype: torch.dtype, tp):
+    """The fused, sharded q/k/v projection and the output projection of a
+    Hugging Face `self_attn` block (biases optional)."""
+    from cpuserve.layers.linear import QKVParallelLinear, RowParallelLinear
+
+    a = prefix + "self_attn."
+    bias = [w.take_optional(a + f"{x}_proj.bias") for x in "qkv"]
+    qkv = QKVParallelLinear(w.take(a + "q_proj.weight"), w.take(a + "k_proj.weight"), w.take(a + "v_proj.weight"),
+                            bias if bias[0] is not None else None, head_dim, dtype, tp)
+    o_proj = RowParallelLinear(w.take(a + "o_proj.weight"), w.take_optional(a + "o_proj.bias"), dtype, tp)
+    return qkv, o_proj
+
+
 class CausalLM:
     """What every model class shares: its attention layers (for the KV cache) and the LM head."""
 

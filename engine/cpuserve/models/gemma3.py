@@ -9,10 +9,10 @@ from cpuserve import ops
 from cpuserve.distributed import TPGroup
 from cpuserve.layers.attention import PagedAttention
 from cpuserve.layers.embedding import Embedding, LMHead
-from cpuserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from cpuserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from cpuserve.layers.norm import RMSNorm
 from cpuserve.layers.rotary import RotaryEmbedding
-from cpuserve.models.common import CausalLM, Weights
+from cpuserve.models.common import CausalLM, Weights, attention_projections
 
 _ACTS = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
 
@@ -40,12 +40,7 @@ class Gemma3DecoderLayer:
         p = f"model.layers.{i}."
         self.head_dim = c.head_dim
         eps = c.rms_norm_eps
-        bias = [w.take_optional(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
-        self.qkv = QKVParallelLinear(w.take(p + "self_attn.q_proj.weight"), w.take(p + "self_attn.k_proj.weight"),
-                                     w.take(p + "self_attn.v_proj.weight"), bias if bias[0] is not None else None,
-                                     c.head_dim, dtype, tp)
-        self.o_proj = RowParallelLinear(w.take(p + "self_attn.o_proj.weight"),
-                                        w.take_optional(p + "self_attn.o_proj.bias"), dtype, tp)
+        self.qkv, self.o_proj = attention_projections(w, p, c.head_dim, dtype, tp)
         self.q_norm = RMSNorm(w.take(p + "self_attn.q_norm.weight"), eps, offset=1.0)
         self.k_norm = RMSNorm(w.take(p + "self_attn.k_norm.weight"), eps, offset=1.0)
         window = c.sliding_window if kind == "sliding_attention" else 0

@@ -7,22 +7,17 @@ from cpuserve import ops
 from cpuserve.distributed import TPGroup
 from cpuserve.layers.attention import PagedAttention
 from cpuserve.layers.embedding import Embedding, LMHead
-from cpuserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from cpuserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from cpuserve.layers.norm import RMSNorm
 from cpuserve.layers.rotary import RotaryEmbedding
-from cpuserve.models.common import CausalLM, Weights, rope_settings
+from cpuserve.models.common import CausalLM, Weights, attention_projections, rope_settings
 
 
 class LlamaDecoderLayer:
     def __init__(self, c, i: int, w: Weights, dtype: torch.dtype, tp: TPGroup, rotary: RotaryEmbedding):
         p = f"model.layers.{i}."
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        bias = [w.take_optional(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
-        self.qkv = QKVParallelLinear(w.take(p + "self_attn.q_proj.weight"), w.take(p + "self_attn.k_proj.weight"),
-                                     w.take(p + "self_attn.v_proj.weight"), bias if bias[0] is not None else None,
-                                     self.head_dim, dtype, tp)
-        self.o_proj = RowParallelLinear(w.take(p + "self_attn.o_proj.weight"),
-                                        w.take_optional(p + "self_attn.o_proj.bias"), dtype, tp)
+        self.qkv, self.o_proj = attention_projections(w, p, self.head_dim, dtype, tp)
         qn, kn = w.take_optional(p + "self_attn.q_norm.weight"), w.take_optional(p + "self_attn.k_norm.weight")
         self.q_norm = RMSNorm(qn, c.rms_norm_eps) if qn is not None else None
         self.k_norm = RMSNorm(kn, c.rms_norm_eps) if kn is not None else None

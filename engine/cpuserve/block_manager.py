@@ -123,10 +123,11 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        parent = None
-        for i in range(num_full):
+        start = seq.num_hashed_blocks  # blocks before it are registered already: no rewalk per step
+        parent = self.blocks[seq.block_table[start - 1]].hash if start else None
+        for i in range(start, num_full):
             block = self.blocks[seq.block_table[i]]
-            if block.hash is not None:
+            if block.hash is not None:  # a prefix-cache hit, or shared with another sequence
                 parent = block.hash
                 continue
             tokens = tuple(seq.block_tokens(i, self.block_size))
@@ -134,6 +135,7 @@ class BlockManager:
             block.hash, block.tokens = h, tokens
             self.cached.setdefault(h, block.block_id)
             parent = h
+        seq.num_hashed_blocks = max(start, num_full)
 
     def free_seq(self, seq: Sequence) -> None:
         # Tail blocks first: they are the least likely to be shared, so they are evicted first.
@@ -147,6 +149,7 @@ class BlockManager:
                 else:
                     self.free[bid] = None
         seq.block_table = []
+        seq.num_hashed_blocks = 0
         seq.num_computed_tokens = 0  # num_cached_tokens stays: it is the request's statistic
 
     def reset_prefix_cache(self) -> None:

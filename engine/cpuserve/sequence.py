@@ -38,6 +38,7 @@ class Sequence:
         self.num_computed_tokens = 0       # tokens whose KV is in the cache
         self.num_cached_tokens = 0         # of those, how many came from the prefix cache
         self.block_table: list[int] = []
+        self.num_hashed_blocks = 0         # leading full blocks registered in the prefix cache
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] = []

@@ -22,12 +22,18 @@ def run_step(sched, batch):
             s.token_ids.append(7)
 
 
+def computed(bm, n, start=0):
+    """A sequence of n tokens whose KV is computed and whose full blocks are registered."""
+    s = seq(n, start)
+    bm.allocate_slots(s, n)
+    s.num_computed_tokens = n
+    bm.commit_full_blocks(s)
+    return s
+
+
 def test_prefix_blocks_are_shared_and_counted():
     bm = BlockManager(10, BS)
-    a = seq(40)
-    bm.allocate_slots(a, 40)
-    a.num_computed_tokens = 40
-    bm.commit_full_blocks(a)
+    a = computed(bm, 40)
     b = seq(40)  # same tokens
     hit = bm.match_prefix(b)
     assert hit == a.block_table[:2]  # 2 full blocks (the third is partial)
@@ -38,19 +44,13 @@ def test_prefix_blocks_are_shared_and_counted():
 
 def test_prefix_match_never_covers_the_last_token():
     bm = BlockManager(10, BS)
-    a = seq(32)
-    bm.allocate_slots(a, 32)
-    a.num_computed_tokens = 32
-    bm.commit_full_blocks(a)
+    a = computed(bm, 32)
     assert len(bm.match_prefix(seq(32))) == 1  # the block holding the last token is recomputed
 
 
 def test_freed_cached_blocks_are_revived_or_evicted_lru():
     bm = BlockManager(4, BS)
-    a = seq(33)
-    bm.allocate_slots(a, 33)
-    a.num_computed_tokens = 33
-    bm.commit_full_blocks(a)
+    a = computed(bm, 33)
     bm.free_seq(a)
     assert bm.num_free_blocks == 4 and len(bm.cached) == 2
     b = seq(40)

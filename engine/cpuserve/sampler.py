@@ -24,9 +24,17 @@ def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> None:
         logits -= p.presence_penalty * (counts[: logits.shape[0]] > 0).float()
 
 
-def _filtered_probs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """Extreme but valid parameters (a penalty of 1e-200, say) can overflow a logit:
+    +inf becomes the largest float, NaN impossible; no request may break sampling."""
+    big = torch.finfo(logits.dtype).max
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=big, neginf=float("-inf"))
+
+
+def _filtered_probs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor | None:
+    """The sampling distribution, or None when nothing is left to sample from."""
     p = seq.params
-    logits = logits / p.temperature
+    logits = _finite(logits / p.temperature)
     if p.top_k and p.top_k > 0 and p.top_k < logits.shape[0]:
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -39,7 +47,10 @@ def _filtered_probs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
         probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    return probs / probs.sum()
+    total = probs.sum()
+    if not torch.isfinite(total) or total <= 0:
+        return None
+    return probs / total
 
 
 class Sampler:
@@ -57,12 +68,14 @@ class Sampler:
         for i, seq in enumerate(seqs):
             if needs_processing[i]:
                 self._process(logits[i], seq)
+                logits[i] = _finite(logits[i])
 
         tokens = logits.argmax(dim=-1).tolist()  # greedy rows keep this
         for i, seq in enumerate(seqs):
             if not seq.params.greedy:
                 probs = _filtered_probs(logits[i], seq)
-                tokens[i] = int(torch.multinomial(probs, 1, generator=seq.generator).item())
+                if probs is not None:  # else: every token masked out; keep the argmax
+                    tokens[i] = int(torch.multinomial(probs, 1, generator=seq.generator).item())
 
         logprobs: list[dict | None] = []
         for i, seq in enumerate(seqs):

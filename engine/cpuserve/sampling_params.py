@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+SAMPLING_EPS = 1e-5
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -76,4 +79,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # as vLLM: a temperature this small is greedy (dividing by it would overflow)
+        return self.temperature < SAMPLING_EPS or self.top_k == 1

@@ -115,3 +115,15 @@ def test_top_p_keeps_smallest_set_reaching_mass():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     seen = {Sampler(set())(logits, [seq])[0][0] for _ in range(200)}
     assert seen == {0, 1}
+
+
+@pytest.mark.parametrize("kwargs", [dict(repetition_penalty=6.8e-240), dict(temperature=1e-30),
+                                    dict(repetition_penalty=1e-300, temperature=2.0, top_p=0.5, min_p=0.9)])
+def test_extreme_valid_values_never_break_sampling(kwargs):
+    """Found by the API fuzzer: a tiny penalty overflowed a logit to inf, the
+    distribution became NaN and the engine core died."""
+    logits = torch.tensor([[30.0, 29.0, -5.0, 1.0]])
+    seq = _seq(SamplingParams(seed=1, **kwargs), prompt=(0, 1), outputs=(1,))
+    seq.generator = torch.Generator().manual_seed(1)
+    toks, _ = Sampler(set())(logits, [seq])
+    assert 0 <= toks[0] < 4

@@ -32,6 +32,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks, one per NUMA node (see VLLM_CPU_OMP_THREADS_BIND)")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
@@ -39,7 +41,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 kv_cache_space=a.kv_cache_space, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                 enable_prefix_caching=a.enable_prefix_caching, enable_chunked_prefill=a.enable_chunked_prefill,
-                seed=a.seed)
+                seed=a.seed, tensor_parallel_size=a.tensor_parallel_size)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -74,10 +76,74 @@ def cmd_serve(a: argparse.Namespace) -> int:
         # interleave with running decodes sooner. Measured here at 16 streams: TTFT p50
         # 3.1 s -> 1.4 s with no loss of throughput (GEMMs stay efficient at 512 rows).
         kwargs["max_num_batched_tokens"] = SERVE_BATCHED_TOKENS
-    config = EngineConfig(**kwargs, tensor_parallel_size=a.tensor_parallel_size,
-                          served_model_name=a.served_model_name)
+    config = EngineConfig(**kwargs, served_model_name=a.served_model_name)
     api_key = a.api_key or os.environ.get("CPUSERVE_API_KEY") or os.environ.get("VLLM_API_KEY")
     return run(config, a.host, a.port, a.served_model_name, api_key, a.max_waiting_requests)
+
+
+def cmd_topology(a: argparse.Namespace) -> int:
+    import json
+
+    from cpuserve.binding import BindingError, plan_from_env
+    from cpuserve.topology import read_topology
+
+    topo = read_topology(a.root) if a.root else read_topology()
+    try:
+        plan, plan_error = plan_from_env(topo, a.tensor_parallel_size), None
+    except BindingError as e:
+        plan, plan_error = None, str(e)
+    membind, why = (False, "not probed (recorded tree)") if a.root else _probe_membind()
+    if a.json:
+        out = topo.to_dict()
+        out["memory_binding"] = dict(effective=membind, detail=why)
+        out["binding_plan"] = None if plan is None else dict(
+            mode=plan.mode, reserved_cpus=list(plan.reserved_cpus), warnings=list(plan.warnings),
+            ranks=[dict(rank=r.rank, cpus=None if r.cpus is None else list(r.cpus), threads=r.num_threads,
+                        mem_node=r.mem_node) for r in plan.ranks])
+        if plan_error:
+            out["binding_error"] = plan_error
+        print(json.dumps(out, indent=2))
+        return 0 if plan_error is None else 2
+    print(format_topology(topo, membind, why))
+    print()
+    print(f"binding plan for tensor_parallel_size={a.tensor_parallel_size} (VLLM_CPU_OMP_THREADS_BIND, "
+          "VLLM_CPU_NUM_OF_RESERVED_CPU, CPU_VISIBLE_MEMORY_NODES):")
+    if plan_error:
+        print(f"  error: {plan_error}")
+        return 2
+    for line in plan.describe():
+        print(f"  {line}")
+    for w in plan.warnings:
+        print(f"  warning: {w}")
+    return 0
+
+
+def _probe_membind() -> tuple[bool, str]:
+    from cpuserve.cpu_platform import probe_membind
+
+    return probe_membind()
+
+
+def format_topology(topo, membind: bool, why: str) -> str:
+    from cpuserve.topology import format_cpulist
+
+    gib = 1 << 30
+    lines = [f"arch {topo.arch}, {len(topo.packages)} socket(s), {len(topo.nodes)} NUMA node(s), "
+             f"SMT {'on' if topo.smt else 'off'}",
+             f"ISA: {' '.join(topo.isa) or '-'}",
+             f"allowed CPUs {format_cpulist(topo.allowed_cpus)}, memory nodes {format_cpulist(topo.allowed_mems)}"
+             + (f", CPU quota {topo.cpu_quota:g}" if topo.cpu_quota is not None else ""),
+             f"memory binding: {'effective' if membind else 'NOT effective'} ({why})",
+             "",
+             f"{'node':>4}  {'CPUs':<20} {'allowed':<20} {'cores':>5} {'allowed':>7} {'memory':>10} {'free':>10}"]
+    for n in topo.nodes:
+        allowed = topo.allowed_in(n.id)
+        lines.append(f"{n.id:>4}  {format_cpulist(n.cpus):<20} {format_cpulist(allowed) or '-':<20} "
+                     f"{len(topo.physical_cores(n.cpus)):>5} {len(topo.physical_cores(allowed)):>7} "
+                     f"{n.mem_total / gib:>7.1f} GiB {n.mem_free / gib:>6.1f} GiB"
+                     + ("" if n.id in topo.allowed_mems else "  (memory not allowed)"))
+    lines += [f"warning: {w}" for w in topo.warnings]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,7 +157,6 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--api-key", default=None, help="require this bearer token on /v1 (or CPUSERVE_API_KEY)")
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="queue bound: further requests get 503 until the queue drains")
-    s.add_argument("--tensor-parallel-size", type=int, default=1)
     s.set_defaults(func=cmd_serve)
     g = sub.add_parser("generate", help="generate offline for a few prompts")
     add_engine_args(g)
@@ -101,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap prompts in the model's chat template")
     g.set_defaults(func=cmd_generate)
+    t = sub.add_parser("topology", help="show NUMA nodes, cores, memory, ISA and the thread/memory binding plan")
+    t.add_argument("--json", action="store_true", help="machine-readable output")
+    t.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="plan the binding for this many ranks")
+    t.add_argument("--root", default=None, help=argparse.SUPPRESS)  # a recorded /sys + /proc tree (tests)
+    t.set_defaults(func=cmd_topology)
     a = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

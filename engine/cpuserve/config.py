@@ -39,6 +39,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     seed: int = 0
     served_model_name: str | None = None
+    binding: object | None = None     # binding.BindingPlan; None = planned from the environment at startup
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 16:
@@ -47,8 +48,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported by this build yet")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.kv_cache_space is None:
             self.kv_cache_space = env_kv_cache_space() or 4.0
         if self.kv_cache_space <= 0:

@@ -69,6 +69,7 @@ def run_engine_core(config, input_addr: str, output_addr: str) -> None:
             if os.getppid() != parent:
                 log.error("API process is gone: engine core exiting")
                 return
+            core.runner.check_ranks()  # a dead tensor-parallel rank stops the engine, even while idle
             if core.has_unfinished():
                 outputs = core.step()
                 send(OUTPUTS, outputs, core.snapshot_stats())

@@ -31,7 +31,7 @@ class EngineCore:
         self.config = config
         self.runner = ModelRunner(config)
         self.max_model_len = self.runner.max_model_len
-        self.vocab_size = self.runner.model.lm_head.weight.n
+        self.vocab_size = self.runner.vocab_size
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.resolve_batched_tokens(self.max_model_len), self.max_model_len,

@@ -49,8 +49,27 @@ async def serve(config: EngineConfig, host: str, port: int, served_model_name: s
     return 1 if engine.dead else 0
 
 
+def prepare_platform(config: EngineConfig) -> None:
+    """Plans the CPU binding here, where the whole allowed CPU set is visible, hands
+    the plan to the engine processes, pins this (API) process to the reserved CPUs,
+    and preloads tcmalloc into the engine processes."""
+    from cpuserve.binding import plan_from_env
+    from cpuserve.cpu_platform import pin_process, preload_tcmalloc_for_children
+    from cpuserve.topology import format_cpulist, read_topology
+
+    if config.binding is None:
+        config.binding = plan_from_env(read_topology(), config.tensor_parallel_size)
+    lib = preload_tcmalloc_for_children()
+    log.info("tcmalloc: %s", f"preloaded into the engine processes ({lib})" if lib else
+             "not found (install libtcmalloc-minimal4, or set LD_PRELOAD); using glibc malloc")
+    if config.binding.reserved_cpus:
+        pin_process(config.binding.reserved_cpus)
+        log.info("API process pinned to reserved CPUs %s", format_cpulist(config.binding.reserved_cpus))
+
+
 def run(config: EngineConfig, host: str, port: int, served_model_name: str | None, api_key: str | None,
         max_waiting_requests: int) -> int:
+    prepare_platform(config)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return asyncio.run(serve(config, host, port, served_model_name, api_key, max_waiting_requests))

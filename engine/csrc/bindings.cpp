@@ -7,7 +7,9 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+#include "comm/shm_comm.hpp"
 #include "kernel_table.hpp"
+#include "platform/numa.hpp"
 
 namespace py = pybind11;
 using cpuserve::DType;
@@ -44,6 +46,41 @@ PYBIND11_MODULE(_C, m) {
   m.def("available_isas", &available_isas, "ISAs compiled in and supported by this CPU, best first");
   m.def("omp_max_threads", []() { return omp_get_max_threads(); });
   m.def("omp_set_num_threads", [](int n) { omp_set_num_threads(n); });
+
+  // -- CPU platform: affinity and NUMA memory policy (errno returned, never raised)
+  m.def("get_mempolicy", []() {
+    auto p = cpuserve::get_mempolicy();
+    return py::make_tuple(p.err, p.mode, p.nodes);
+  }, "(errno, mode, nodes) of the calling thread");
+  m.def("set_membind", [](const std::vector<int>& nodes) { return cpuserve::set_mempolicy(cpuserve::kMpolBind, nodes); },
+        "MPOL_BIND the calling thread to nodes; returns errno or 0");
+  m.def("set_mempolicy_default", []() { return cpuserve::set_mempolicy(cpuserve::kMpolDefault, {}); });
+  m.def("migrate_pages", &cpuserve::migrate_pages, py::arg("pid"), py::arg("from_nodes"), py::arg("to_nodes"),
+        "(errno, pages not moved)");
+  m.def("bind_omp_threads", &cpuserve::bind_omp_threads, py::arg("cpus"), py::arg("mem_node") = -1,
+        "pin OpenMP thread i to cpus[i] (and bind its memory); returns (affinity errno, mempolicy errno)");
+  m.def("omp_thread_cpus", &cpuserve::omp_thread_cpus);
+
+  // -- tensor-parallel communication over shared memory
+  using cpuserve::ShmComm;
+  using G0 = py::call_guard<py::gil_scoped_release>;
+  py::class_<ShmComm>(m, "ShmComm")
+      .def(py::init<const std::string&, int, int, int64_t>(), py::arg("name"), py::arg("rank"), py::arg("world"),
+           py::arg("slot_bytes") = int64_t(4) << 20, G0())
+      .def_property_readonly("rank", &ShmComm::rank)
+      .def_property_readonly("world", &ShmComm::world)
+      .def_property_readonly("slot_bytes", &ShmComm::slot_bytes)
+      .def_property_readonly("seq", &ShmComm::seq)
+      .def("all_reduce", [](ShmComm& c, uintptr_t data, int64_t n, int dtype) {
+             if (dtype != 0 && dtype != 1) throw std::invalid_argument("all_reduce supports float32 and bfloat16");
+             c.all_reduce(ptr<void>(data), n, static_cast<cpuserve::CommDType>(dtype));
+           }, G0())
+      .def("all_gather", [](ShmComm& c, uintptr_t in, uintptr_t out, const std::vector<int64_t>& sizes) {
+             c.all_gather(ptr<const void>(in), ptr<void>(out), sizes);
+           }, G0())
+      .def("barrier", &ShmComm::barrier, G0())
+      .def("abort", &ShmComm::abort)
+      .def("unlink", &ShmComm::unlink);
 
   using G = py::call_guard<py::gil_scoped_release>;
   py::class_<Kernels>(m, "Kernels")

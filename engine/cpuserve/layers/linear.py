@@ -32,10 +32,12 @@ class ColumnParallelLinear(Linear):
 
 
 class RowParallelLinear(Linear):
-    """Input features sharded; the bias is added once, after the all-reduce."""
+    """Input features sharded; the bias is added once, after the all-reduce.
+    `shard` (start, length) must match the sharding of what feeds it when that is
+    not the default one (the attention output follows the heads' split)."""
 
-    def __init__(self, weight, bias, dtype, tp: TPGroup):
-        start, k = tp.shard(weight.shape[1], "input features")
+    def __init__(self, weight, bias, dtype, tp: TPGroup, shard: tuple[int, int] | None = None):
+        start, k = shard if shard is not None else tp.shard(weight.shape[1], "input features")
         super().__init__(weight[:, start:start + k], None, dtype)
         self.tp = tp
         self.full_bias = bias.float().contiguous() if bias is not None else None
@@ -61,17 +63,24 @@ class MergedColumnParallelLinear(Linear):
 
 
 class QKVParallelLinear(Linear):
-    """Fused q, k, v projections; query heads split across ranks, kv heads split
-    (or replicated when there are fewer kv heads than ranks)."""
+    """Fused q, k, v projections, split by whole GQA groups: each rank takes a
+    balanced share of the kv heads and the query heads that attend to them (2 and
+    1 groups of 3 query heads for 3 kv heads on two ranks). With fewer kv heads
+    than ranks, each kv head is replicated on the ranks sharing its group.
+    `o_range` is the matching (start, length) of the output projection's input."""
 
     def __init__(self, q, k, v, biases, head_dim: int, dtype, tp: TPGroup):
         hq, hk = q.shape[0] // head_dim, k.shape[0] // head_dim
-        q0, nq = tp.shard(hq, "attention heads")
+        if hq % hk:
+            raise ValueError(f"attention heads ({hq}) must be a multiple of kv heads ({hk})")
         if hk >= tp.size:
             k0, nk = tp.shard(hk, "kv heads")
+            q0, nq = k0 * (hq // hk), nk * (hq // hk)
         else:
-            if tp.size % hk:
-                raise ValueError(f"tensor_parallel_size ({tp.size}) must be a multiple of kv heads ({hk})")
+            if tp.size % hk or hq % tp.size:
+                raise ValueError(f"tensor_parallel_size ({tp.size}) must be a multiple of the kv heads ({hk}) "
+                                 f"and divide the attention heads ({hq})")
+            q0, nq = tp.shard(hq, "attention heads")
             k0, nk = tp.rank * hk // tp.size, 1
         self.num_heads, self.num_kv_heads = nq, nk
         sel = [(q, q0, nq), (k, k0, nk), (v, k0, nk)]
@@ -81,6 +90,7 @@ class QKVParallelLinear(Linear):
             b = torch.cat([bb[s * head_dim:(s + n) * head_dim] for bb, (_, s, n) in zip(biases, sel)])
         super().__init__(w, b, dtype)
         self.q_size, self.kv_size = nq * head_dim, nk * head_dim
+        self.o_range = (q0 * head_dim, nq * head_dim)
 
     def split(self, qkv: torch.Tensor):
         q = qkv[:, : self.q_size]

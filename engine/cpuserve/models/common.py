@@ -43,7 +43,8 @@ def attention_projections(w: Weights, prefix: str, head_dim: int, dtype: torch.d
     bias = [w.take_optional(a + f"{x}_proj.bias") for x in "qkv"]
     qkv = QKVParallelLinear(w.take(a + "q_proj.weight"), w.take(a + "k_proj.weight"), w.take(a + "v_proj.weight"),
                             bias if bias[0] is not None else None, head_dim, dtype, tp)
-    o_proj = RowParallelLinear(w.take(a + "o_proj.weight"), w.take_optional(a + "o_proj.bias"), dtype, tp)
+    o_proj = RowParallelLinear(w.take(a + "o_proj.weight"), w.take_optional(a + "o_proj.bias"), dtype, tp,
+                               qkv.o_range)
     return qkv, o_proj
 
 

@@ -23,7 +23,8 @@ class GPT2Block:
         qkv_b = w.take(p + "attn.c_attn.bias")
         self.qkv = QKVParallelLinear(qkv_w[:h], qkv_w[h:2 * h], qkv_w[2 * h:],
                                      [qkv_b[:h], qkv_b[h:2 * h], qkv_b[2 * h:]], hd, dtype, tp)
-        self.c_proj = RowParallelLinear(w.take(p + "attn.c_proj.weight").t(), w.take(p + "attn.c_proj.bias"), dtype, tp)
+        self.c_proj = RowParallelLinear(w.take(p + "attn.c_proj.weight").t(), w.take(p + "attn.c_proj.bias"), dtype, tp,
+                                        self.qkv.o_range)
         scale = hd ** -0.5 if c.scale_attn_weights else 1.0
         if getattr(c, "scale_attn_by_inverse_layer_idx", False):
             scale /= float(i + 1)

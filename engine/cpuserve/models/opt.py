@@ -22,7 +22,8 @@ class OPTDecoderLayer:
                                      t("self_attn.v_proj.weight"),
                                      [t("self_attn.q_proj.bias"), t("self_attn.k_proj.bias"), t("self_attn.v_proj.bias")],
                                      hd, dtype, tp)
-        self.out_proj = RowParallelLinear(t("self_attn.out_proj.weight"), t("self_attn.out_proj.bias"), dtype, tp)
+        self.out_proj = RowParallelLinear(t("self_attn.out_proj.weight"), t("self_attn.out_proj.bias"), dtype, tp,
+                                          self.qkv.o_range)
         self.attn = PagedAttention(self.qkv.num_heads, self.qkv.num_kv_heads, hd, hd ** -0.5)
         self.attn_norm = LayerNorm(t("self_attn_layer_norm.weight"), t("self_attn_layer_norm.bias"), 1e-5)
         self.fc1 = ColumnParallelLinear(t("fc1.weight"), t("fc1.bias"), dtype, tp)

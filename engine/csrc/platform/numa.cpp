@@ -1,0 +1,95 @@
+#include "platform/numa.hpp"
+
+#include <omp.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace cpuserve {
+
+namespace {
+
+constexpr int kMaxNodes = 1024;
+constexpr int kWords = kMaxNodes / (8 * sizeof(unsigned long));
+
+struct NodeMask {
+  unsigned long bits[kWords];
+  NodeMask() { std::memset(bits, 0, sizeof bits); }
+  explicit NodeMask(const std::vector<int>& nodes) : NodeMask() {
+    for (int n : nodes)
+      if (n >= 0 && n < kMaxNodes) bits[n / (8 * sizeof(unsigned long))] |= 1ul << (n % (8 * sizeof(unsigned long)));
+  }
+};
+
+// The kernel reads maxnode - 1 bits (libnuma passes size + 1 as well).
+constexpr unsigned long kMaxNodeArg = kMaxNodes + 1;
+
+}  // namespace
+
+MemPolicy get_mempolicy() {
+  MemPolicy p{0, 0, {}};
+  NodeMask mask;
+  int mode = 0;
+  if (syscall(SYS_get_mempolicy, &mode, mask.bits, kMaxNodeArg, nullptr, 0ul) != 0) {
+    p.err = errno;
+    return p;
+  }
+  p.mode = mode;
+  for (int n = 0; n < kMaxNodes; ++n)
+    if (mask.bits[n / (8 * sizeof(unsigned long))] >> (n % (8 * sizeof(unsigned long))) & 1ul) p.nodes.push_back(n);
+  return p;
+}
+
+int set_mempolicy(int mode, const std::vector<int>& nodes) {
+  NodeMask mask(nodes);
+  long rc = mode == kMpolDefault ? syscall(SYS_set_mempolicy, mode, nullptr, 0ul)
+                                 : syscall(SYS_set_mempolicy, mode, mask.bits, kMaxNodeArg);
+  return rc == 0 ? 0 : errno;
+}
+
+std::pair<int, long> migrate_pages(int pid, const std::vector<int>& from, const std::vector<int>& to) {
+  NodeMask f(from), t(to);
+  long rc = syscall(SYS_migrate_pages, pid, kMaxNodeArg, f.bits, t.bits);
+  if (rc < 0) return {errno, 0};
+  return {0, rc};
+}
+
+int set_thread_affinity(const std::vector<int>& cpus) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int c : cpus)
+    if (c >= 0 && c < CPU_SETSIZE) CPU_SET(c, &set);
+  return sched_setaffinity(0, sizeof set, &set) == 0 ? 0 : errno;  // 0: the calling thread
+}
+
+std::pair<int, int> bind_omp_threads(const std::vector<int>& cpus, int mem_node) {
+  const int n = static_cast<int>(cpus.size());
+  if (n == 0) return {EINVAL, 0};
+  omp_set_num_threads(n);
+  int aff_err = 0, mem_err = 0;
+#pragma omp parallel num_threads(n)
+  {
+    const int t = omp_get_thread_num();
+    int a = set_thread_affinity({cpus[t]});
+    int m = mem_node >= 0 ? set_mempolicy(kMpolBind, {mem_node}) : 0;
+#pragma omp critical
+    {
+      if (a != 0 && aff_err == 0) aff_err = a;
+      if (m != 0 && mem_err == 0) mem_err = m;
+    }
+  }
+  return {aff_err, mem_err};
+}
+
+std::vector<int> omp_thread_cpus() {
+  const int n = omp_get_max_threads();
+  std::vector<int> out(n, -1);
+#pragma omp parallel num_threads(n)
+  out[omp_get_thread_num()] = sched_getcpu();
+  return out;
+}
+
+}  // namespace cpuserve

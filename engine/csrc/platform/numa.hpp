@@ -1,0 +1,33 @@
+// Thread pinning and NUMA memory policy: the calls libnuma's numa_set_membind,
+// numa_migrate_pages and numa_run_on_node make, issued as raw system calls so
+// that a refusal (EPERM without CAP_SYS_NICE, or from a container's seccomp
+// profile) comes back as an errno for the caller to report once, instead of
+// libnuma printing its own message on stderr for every call.
+#pragma once
+#include <utility>
+#include <vector>
+
+namespace cpuserve {
+
+constexpr int kMpolDefault = 0;
+constexpr int kMpolBind = 2;
+
+struct MemPolicy {
+  int err;                 // 0, or the errno of get_mempolicy
+  int mode;                // MPOL_* of the calling thread
+  std::vector<int> nodes;  // its node mask
+};
+
+MemPolicy get_mempolicy();
+int set_mempolicy(int mode, const std::vector<int>& nodes);  // calling thread; returns errno or 0
+// Moves pages of `pid` (0 = this process) from `from` nodes to `to` nodes.
+// Returns (errno or 0, number of pages that could not be moved).
+std::pair<int, long> migrate_pages(int pid, const std::vector<int>& from, const std::vector<int>& to);
+int set_thread_affinity(const std::vector<int>& cpus);  // calling thread; errno or 0
+// Sizes the OpenMP pool to cpus.size(), pins thread i to cpus[i] and, when
+// mem_node >= 0, binds each thread's memory to that node.
+// Returns (first affinity errno or 0, first mempolicy errno or 0).
+std::pair<int, int> bind_omp_threads(const std::vector<int>& cpus, int mem_node);
+std::vector<int> omp_thread_cpus();  // the CPU each OpenMP thread runs on right now
+
+}  // namespace cpuserve

@@ -7,6 +7,10 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines built inside the test process must not pin it (its threads, and every
+# process it starts, would inherit one CPU). Binding is tested in tests/platform,
+# and served engines run with the default `auto` (tests/server/conftest.py).
+os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
 
 PROMPTS = [
     "The capital of France is",

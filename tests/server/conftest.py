@@ -17,10 +17,12 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        extra = env or {}
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}  # served: `auto`
+        env.update(PYTHONUNBUFFERED="1", **extra)
         # a file, not a pipe: an unread pipe fills up and would block the server's logging
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "cpuserve", "serve", "--host", "127.0.0.1", "--port",

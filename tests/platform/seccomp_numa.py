@@ -1,0 +1,45 @@
+"""Installs a seccomp filter that makes the NUMA syscalls fail with EPERM, the
+way Docker's default profile does without CAP_SYS_NICE, then runs the rest of
+the command line (`python seccomp_numa.py -m cpuserve ...` or `... script.py`)."""
+import ctypes
+import errno
+import platform
+import runpy
+import struct
+import sys
+
+# mbind, set_mempolicy, get_mempolicy, migrate_pages
+NUMA_SYSCALLS = {"x86_64": (237, 238, 239, 256), "aarch64": (235, 237, 236, 238), "s390x": (268, 270, 269, 287)}
+
+
+def install() -> None:
+    nrs = NUMA_SYSCALLS[platform.machine()]
+    ld_nr, jeq, ret = 0x20, 0x15, 0x06             # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_RET|K
+    allow, deny = 0x7FFF0000, 0x00050000 | errno.EPERM  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO|EPERM
+    prog = [(ld_nr, 0, 0, 0)]                        # A = seccomp_data.nr
+    for i, nr in enumerate(nrs):
+        prog.append((jeq, len(nrs) - i, 0, nr))      # match: jump to the deny return
+    prog += [(ret, 0, 0, allow), (ret, 0, 0, deny)]
+    buf = b"".join(struct.pack("HBBI", *ins) for ins in prog)
+    filt = ctypes.create_string_buffer(buf)
+
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(38, 1, 0, 0, 0) != 0:               # PR_SET_NO_NEW_PRIVS
+        raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS")
+    fprog = Prog(len(prog), ctypes.cast(filt, ctypes.c_void_p))
+    if libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        raise OSError(ctypes.get_errno(), "PR_SET_SECCOMP")
+
+
+if __name__ == "__main__":
+    install()
+    args = sys.argv[1:]
+    if args[0] == "-m":
+        sys.argv = args[1:]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = args
+        runpy.run_path(args[0], run_name="__main__")

@@ -105,8 +105,8 @@ class AsyncEngine:
         if getattr(self, "proc", None) is None:
             return
         if self.proc.is_alive():
-            try:
-                await self._send(cp.SHUTDOWN)
+            try:  # bounded: a PUSH socket blocks when the core is already closing and has no reader
+                await asyncio.wait_for(self._send(cp.SHUTDOWN), 2.0)
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
             await asyncio.to_thread(self.proc.join, 5)

@@ -16,6 +16,10 @@ COMMON = dict(vocab_size=VOCAB, max_position_embeddings=256, initializer_range=0
 CONFIGS = {
     "llama": lambda: tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                     num_key_value_heads=2, tie_word_embeddings=False, **COMMON),
+    # 6 query / 3 kv heads: two ranks take 2 and 1 GQA groups; vocab split unevenly in 64s
+    "llama-uneven": lambda: tf.LlamaConfig(hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                                           num_attention_heads=6, num_key_value_heads=3, tie_word_embeddings=True,
+                                           **COMMON),
     "mistral-swa": lambda: tf.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=1, sliding_window=8, **COMMON),
     "qwen2": lambda: tf.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -50,9 +54,19 @@ def tiny(request, tmp_path_factory, llm_f32):
     return request.param, model, path
 
 
-def test_logits_and_greedy_match_transformers(tiny):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_logits_and_greedy_match_transformers(tiny, tp):
+    """tp=2: two rank processes (one core each here), sharded attention and MLP,
+    shared-memory all-reduce, vocab-sharded LM head."""
     name, hf, path = tiny
-    llm = LLM(str(path), dtype="float32", block_size=16, kv_cache_space=0.05)
+    llm = LLM(str(path), dtype="float32", block_size=16, kv_cache_space=0.05, tensor_parallel_size=tp)
+    try:
+        check_against_transformers(name, hf, llm)
+    finally:
+        llm.engine.runner.close()
+
+
+def check_against_transformers(name, hf, llm):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (40,), generator=g).tolist()
     with torch.no_grad():

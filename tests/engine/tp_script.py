@@ -1,0 +1,41 @@
+"""Runs the offline engine in its own process with the default (`auto`) binding,
+for the tensor-parallel tests: `python tp_script.py MODE TP [PROMPTS_JSON]`."""
+import json
+import os
+import sys
+import threading
+import time
+
+os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # the real default, not the test runner's nobind
+
+from cpuserve import LLM, SamplingParams  # noqa: E402
+
+
+def main(mode: str, tp: int, prompts: list[str]) -> None:
+    if mode == "too-big":
+        try:
+            LLM(dtype="float32", block_size=16, kv_cache_space=4096, tensor_parallel_size=tp)
+        except ValueError as e:
+            print("RESULT", json.dumps(dict(error=str(e))))
+        return
+    llm = LLM(dtype="float32", block_size=16, kv_cache_space=1.0, tensor_parallel_size=tp)
+    runner = llm.engine.runner
+    if mode == "kill-rank":
+        victim = runner.ranks.procs[1]
+        threading.Timer(1.0, victim.kill).start()
+        t0 = time.monotonic()
+        try:
+            llm.generate(prompts * 8, SamplingParams(temperature=0, max_tokens=256, ignore_eos=True))
+            print("RESULT", json.dumps(dict(error=None)))
+        except RuntimeError as e:
+            print("RESULT", json.dumps(dict(error=str(e), seconds=time.monotonic() - t0, pid=victim.pid)))
+        return
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+    ranks = [runner.binding.__dict__] + [info["binding"] for info in getattr(runner, "rank_info", [])]
+    print("RESULT", json.dumps(dict(tokens=[o.outputs[0].token_ids for o in outs], ranks=ranks,
+                                    comm=runner.comm_stats())))
+    runner.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]) if len(sys.argv) > 3 else [])

@@ -54,6 +54,7 @@ test-kernels-cross:
 bench: install
 	$(PY) benchmarks/offline_throughput.py
 	$(PY) benchmarks/serving.py
+	$(PY) benchmarks/tensor_parallel.py
 
 clean:
 	rm -rf $(BUILD) engine/build

@@ -45,7 +45,7 @@ def test_cache_too_small_for_one_block():
     (dict(block_size=24), "multiple of 16"),
     (dict(max_num_seqs=0), "max_num_seqs"),
     (dict(max_model_len=10**6), "exceeds the model's maximum context"),
-    (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be >= 1"),
 ])
 def test_bad_engine_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

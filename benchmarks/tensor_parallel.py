@@ -74,6 +74,10 @@ def allreduce_worker(kind: str, rank: int, addr: str, out: str) -> None:
     sync()
     if rank == 0:
         Path(out).write_text(json.dumps(results))
+    if kind == "gloo":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
 
 
 def run_allreduce(kind: str) -> dict[int, float]:

@@ -22,6 +22,33 @@ def split_sizes(total: int, parts: int, align: int = 1) -> list[int]:
     return sizes
 
 
+def balanced_split(total: int, fixed: list[float], unit: float, align: int = 1) -> list[int]:
+    """Splits `total` items (each costing `unit`) between ranks that already carry
+    `fixed` cost, so that fixed + items x unit comes out as even as possible, in
+    multiples of `align` (any remainder to the least loaded rank). Equal `fixed`
+    gives split_sizes. Used to give the MLP of a rank with fewer attention heads
+    more features: per-rank weight bytes, hence decode time, stay equal."""
+    n = len(fixed)
+    if total < n * align:
+        align = 1
+    active = list(range(n))
+    while True:  # water-filling: ranks already above the level get nothing
+        level = (sum(fixed[r] for r in active) + total * unit) / len(active)
+        over = [r for r in active if fixed[r] > level]
+        if not over:
+            break
+        active = [r for r in active if r not in over]
+    want = [(level - fixed[r]) / unit if r in active else 0.0 for r in range(n)]
+    sizes = [int(w // align) * align for w in want]
+    cost = lambda r: fixed[r] + sizes[r] * unit  # noqa: E731
+    while total - sum(sizes) >= align:  # hand out the rounded-off units to the least loaded
+        sizes[min(range(n), key=cost)] += align
+    sizes[min(range(n), key=cost)] += total - sum(sizes)
+    if min(sizes) == 0 and total >= n:  # never leave a rank without a shard
+        return split_sizes(total, n, align)
+    return sizes
+
+
 class TPGroup:
     def __init__(self, rank: int = 0, size: int = 1, comm=None):
         if size > 1 and comm is None:
@@ -38,6 +65,10 @@ class TPGroup:
         if total < self.size:
             raise ValueError(f"cannot split {total} items across {self.size} ranks")
         return split_sizes(total, self.size, align if total >= align * self.size else 1)
+
+    def balanced_shard(self, total: int, fixed: list[float], unit: float, align: int = 1) -> tuple[int, int]:
+        sizes = balanced_split(total, fixed, unit, align) if self.size > 1 else [total]
+        return sum(sizes[:self.rank]), sizes[self.rank]
 
     def shard(self, total: int, what: str, align: int = 1) -> tuple[int, int]:
         """(start, length) of this rank's part of `total` items."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from cpuserve import ops
-from cpuserve.distributed import TPGroup
+from cpuserve.distributed import TPGroup, split_sizes
 
 
 class Linear:
@@ -26,8 +26,8 @@ class Linear:
 
 
 class ColumnParallelLinear(Linear):
-    def __init__(self, weight, bias, dtype, tp: TPGroup):
-        start, n = tp.shard(weight.shape[0], "output features")
+    def __init__(self, weight, bias, dtype, tp: TPGroup, shard: tuple[int, int] | None = None):
+        start, n = shard if shard is not None else tp.shard(weight.shape[0], "output features")
         super().__init__(weight[start:start + n], None if bias is None else bias[start:start + n], dtype)
 
 
@@ -52,14 +52,33 @@ class RowParallelLinear(Linear):
 class MergedColumnParallelLinear(Linear):
     """Several column-parallel projections of the same input in one GEMM (gate and up)."""
 
-    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None, dtype, tp: TPGroup):
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None, dtype, tp: TPGroup,
+                 shard: tuple[int, int] | None = None):
         parts, bparts = [], []
         for i, w in enumerate(weights):
-            start, n = tp.shard(w.shape[0], "output features")
+            start, n = shard if shard is not None else tp.shard(w.shape[0], "output features")
             parts.append(w[start:start + n])
             if biases is not None and biases[i] is not None:
                 bparts.append(biases[i][start:start + n])
         super().__init__(torch.cat(parts), torch.cat(bparts) if bparts else None, dtype)
+
+
+def qkv_head_split(hq: int, hk: int, size: int) -> list[tuple[int, int, int, int]]:
+    """(first q head, q heads, first kv head, kv heads) of every rank."""
+    if hq % hk:
+        raise ValueError(f"attention heads ({hq}) must be a multiple of kv heads ({hk})")
+    g = hq // hk
+    if hk >= size:
+        out, k0 = [], 0
+        for nk in split_sizes(hk, size):
+            out.append((k0 * g, nk * g, k0, nk))
+            k0 += nk
+        return out
+    if size % hk or hq % size:
+        raise ValueError(f"tensor_parallel_size ({size}) must be a multiple of the kv heads ({hk}) "
+                         f"and divide the attention heads ({hq})")
+    nq = hq // size
+    return [(r * nq, nq, r * hk // size, 1) for r in range(size)]
 
 
 class QKVParallelLinear(Linear):
@@ -71,17 +90,9 @@ class QKVParallelLinear(Linear):
 
     def __init__(self, q, k, v, biases, head_dim: int, dtype, tp: TPGroup):
         hq, hk = q.shape[0] // head_dim, k.shape[0] // head_dim
-        if hq % hk:
-            raise ValueError(f"attention heads ({hq}) must be a multiple of kv heads ({hk})")
-        if hk >= tp.size:
-            k0, nk = tp.shard(hk, "kv heads")
-            q0, nq = k0 * (hq // hk), nk * (hq // hk)
-        else:
-            if tp.size % hk or hq % tp.size:
-                raise ValueError(f"tensor_parallel_size ({tp.size}) must be a multiple of the kv heads ({hk}) "
-                                 f"and divide the attention heads ({hq})")
-            q0, nq = tp.shard(hq, "attention heads")
-            k0, nk = tp.rank * hk // tp.size, 1
+        self.heads_per_rank = qkv_head_split(hq, hk, tp.size)
+        q0, nq, k0, nk = self.heads_per_rank[tp.rank]
+        self.head_dim, self.in_features = head_dim, q.shape[1]
         self.num_heads, self.num_kv_heads = nq, nk
         sel = [(q, q0, nq), (k, k0, nk), (v, k0, nk)]
         w = torch.cat([t[s * head_dim:(s + n) * head_dim] for t, s, n in sel])
@@ -91,6 +102,11 @@ class QKVParallelLinear(Linear):
         super().__init__(w, b, dtype)
         self.q_size, self.kv_size = nq * head_dim, nk * head_dim
         self.o_range = (q0 * head_dim, nq * head_dim)
+
+    def attention_weights_per_rank(self, out_features: int) -> list[int]:
+        """Weights of q/k/v and of the output projection (out_features rows) on each rank."""
+        return [(nq + 2 * nk) * self.head_dim * self.in_features + out_features * nq * self.head_dim
+                for _, nq, _, nk in self.heads_per_rank]
 
     def split(self, qkv: torch.Tensor):
         q = qkv[:, : self.q_size]

@@ -9,10 +9,9 @@ from cpuserve import ops
 from cpuserve.distributed import TPGroup
 from cpuserve.layers.attention import PagedAttention
 from cpuserve.layers.embedding import Embedding, LMHead
-from cpuserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from cpuserve.layers.norm import RMSNorm
 from cpuserve.layers.rotary import RotaryEmbedding
-from cpuserve.models.common import CausalLM, Weights, attention_projections
+from cpuserve.models.common import CausalLM, Weights, attention_projections, gated_mlp
 
 _ACTS = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
 
@@ -47,9 +46,7 @@ class Gemma3DecoderLayer:
         self.attn = PagedAttention(self.qkv.num_heads, self.qkv.num_kv_heads, c.head_dim,
                                    c.query_pre_attn_scalar ** -0.5, window, getattr(c, "attn_logit_softcapping", 0) or 0)
         self.rotary = rotary
-        self.gate_up = MergedColumnParallelLinear([w.take(p + "mlp.gate_proj.weight"), w.take(p + "mlp.up_proj.weight")],
-                                                  None, dtype, tp)
-        self.down = RowParallelLinear(w.take(p + "mlp.down_proj.weight"), None, dtype, tp)
+        self.gate_up, self.down = gated_mlp(w, p, dtype, tp, self.qkv)
         norm = lambda n: RMSNorm(w.take(p + n + ".weight"), eps, offset=1.0)  # noqa: E731
         self.input_norm, self.post_attn_norm = norm("input_layernorm"), norm("post_attention_layernorm")
         self.pre_ff_norm, self.post_ff_norm = norm("pre_feedforward_layernorm"), norm("post_feedforward_layernorm")

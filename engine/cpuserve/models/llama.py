@@ -7,10 +7,9 @@ from cpuserve import ops
 from cpuserve.distributed import TPGroup
 from cpuserve.layers.attention import PagedAttention
 from cpuserve.layers.embedding import Embedding, LMHead
-from cpuserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from cpuserve.layers.norm import RMSNorm
 from cpuserve.layers.rotary import RotaryEmbedding
-from cpuserve.models.common import CausalLM, Weights, attention_projections, rope_settings
+from cpuserve.models.common import CausalLM, Weights, attention_projections, gated_mlp, rope_settings
 
 
 class LlamaDecoderLayer:
@@ -29,9 +28,7 @@ class LlamaDecoderLayer:
         self.attn = PagedAttention(self.qkv.num_heads, self.qkv.num_kv_heads, self.head_dim,
                                    self.head_dim ** -0.5, window)
         self.rotary = rotary
-        self.gate_up = MergedColumnParallelLinear([w.take(p + "mlp.gate_proj.weight"), w.take(p + "mlp.up_proj.weight")],
-                                                  None, dtype, tp)
-        self.down = RowParallelLinear(w.take(p + "mlp.down_proj.weight"), None, dtype, tp)
+        self.gate_up, self.down = gated_mlp(w, p, dtype, tp, self.qkv)
         self.input_norm = RMSNorm(w.take(p + "input_layernorm.weight"), c.rms_norm_eps)
         self.post_attn_norm = RMSNorm(w.take(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
 

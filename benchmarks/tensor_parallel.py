@@ -116,11 +116,14 @@ for _ in range(3):
     t1, c1 = run(1)           # prefill + one token
     t2, c2 = run(steps + 1)   # the same + `steps` decode steps
     decode = t2 - t1
-    comm = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(c1, c2)]
+    comm = [(b[0] - a[0], b[1] - a[1], b[2] - a[2]) for a, b in zip(c1, c2)]
     if best is None or decode < best["decode_s"]:
         best = dict(decode_s=decode, ms_per_step=1000 * decode / steps,
-                    comm_s=[c[0] for c in comm], calls_per_step=[c[1] / steps for c in comm])
+                    comm_s=[c[0] for c in comm], wait_s=[c[2] for c in comm],
+                    calls_per_step=[c[1] / steps for c in comm])
 best["comm_share"] = [c / best["decode_s"] for c in best["comm_s"]]
+best["wait_share"] = [w / best["decode_s"] for w in best["wait_s"]]
+best["work_share"] = [(c - w) / best["decode_s"] for c, w in zip(best["comm_s"], best["wait_s"])]
 print("RESULT", json.dumps(best))
 """
 
@@ -145,13 +148,14 @@ def main() -> None:
     rows = ["| size (float32) | cpuserve shm | gloo | speed-up |", "|---:|---:|---:|---:|"]
     for n in SIZES:
         rows.append(f"| {fmt_size(n)} | {ours[n] * 1e6:.1f} µs | {gloo[n] * 1e6:.1f} µs | {gloo[n] / ours[n]:.1f}x |")
-    drows = ["| decode step, SmolLM2-135M f32 | TP=1 | TP=2 | TP=2 time in all-reduce + all-gather (rank 0 / rank 1) |",
-             "|---|---:|---:|---:|"]
+    drows = ["| decode step, SmolLM2-135M f32 | TP=1 | TP=2 | TP=2 step share in all-reduce (rank 0 / rank 1) | "
+             "of which moving and summing data | of which waiting for the other rank |", "|---|---:|---:|---:|---:|---:|"]
+    pct = lambda xs: " / ".join(f"{x * 100:.1f}%" for x in xs)  # noqa: E731
     for b in (1, 16):
         one, two = decode[f"tp1-b{b}"], decode[f"tp2-b{b}"]
-        share = " / ".join(f"{s * 100:.1f}%" for s in two["comm_share"])
-        drows.append(f"| batch {b} | {one['ms_per_step']:.1f} ms | {two['ms_per_step']:.1f} ms | {share} "
-                     f"({two['calls_per_step'][0]:.0f} calls/step) |")
+        drows.append(f"| batch {b} | {one['ms_per_step']:.1f} ms | {two['ms_per_step']:.1f} ms | "
+                     f"{pct(two['comm_share'])} ({two['calls_per_step'][0]:.0f} calls/step) | "
+                     f"{pct(two['work_share'])} | {pct(two['wait_share'])} |")
     machine = f"{os.cpu_count()} CPUs, {len(os.sched_getaffinity(0))} allowed"
     md = [f"Two processes, one core each ({machine}); all-reduce latency, median of 5 timed loops.", "",
           *rows, "", "TP=2 here means one core per rank (this machine has one NUMA node and two cores).", "",

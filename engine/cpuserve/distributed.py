@@ -2,8 +2,9 @@
 shared-memory all-reduce / all-gather the sharded layers call.
 
 Shards are balanced, not required to divide evenly: SmolLM2-135M has 9 query
-and 3 KV heads, so two ranks take 2 and 1 KV-head groups (6 and 3 query heads),
-where Megatron-style code would refuse to run it on two ranks at all.
+and 3 KV heads, so two ranks take 5 and 4 query heads (the kv head whose group
+straddles them is held by both), where Megatron-style code would refuse to run
+it on two ranks at all.
 """
 from __future__ import annotations
 
@@ -19,33 +20,6 @@ def split_sizes(total: int, parts: int, align: int = 1) -> list[int]:
     base, extra = divmod(units, parts)
     sizes = [(base + (1 if r < extra else 0)) * align for r in range(parts)]
     sizes[-1] += rest
-    return sizes
-
-
-def balanced_split(total: int, fixed: list[float], unit: float, align: int = 1) -> list[int]:
-    """Splits `total` items (each costing `unit`) between ranks that already carry
-    `fixed` cost, so that fixed + items x unit comes out as even as possible, in
-    multiples of `align` (any remainder to the least loaded rank). Equal `fixed`
-    gives split_sizes. Used to give the MLP of a rank with fewer attention heads
-    more features: per-rank weight bytes, hence decode time, stay equal."""
-    n = len(fixed)
-    if total < n * align:
-        align = 1
-    active = list(range(n))
-    while True:  # water-filling: ranks already above the level get nothing
-        level = (sum(fixed[r] for r in active) + total * unit) / len(active)
-        over = [r for r in active if fixed[r] > level]
-        if not over:
-            break
-        active = [r for r in active if r not in over]
-    want = [(level - fixed[r]) / unit if r in active else 0.0 for r in range(n)]
-    sizes = [int(w // align) * align for w in want]
-    cost = lambda r: fixed[r] + sizes[r] * unit  # noqa: E731
-    while total - sum(sizes) >= align:  # hand out the rounded-off units to the least loaded
-        sizes[min(range(n), key=cost)] += align
-    sizes[min(range(n), key=cost)] += total - sum(sizes)
-    if min(sizes) == 0 and total >= n:  # never leave a rank without a shard
-        return split_sizes(total, n, align)
     return sizes
 
 
@@ -65,10 +39,6 @@ class TPGroup:
         if total < self.size:
             raise ValueError(f"cannot split {total} items across {self.size} ranks")
         return split_sizes(total, self.size, align if total >= align * self.size else 1)
-
-    def balanced_shard(self, total: int, fixed: list[float], unit: float, align: int = 1) -> tuple[int, int]:
-        sizes = balanced_split(total, fixed, unit, align) if self.size > 1 else [total]
-        return sum(sizes[:self.rank]), sizes[self.rank]
 
     def shard(self, total: int, what: str, align: int = 1) -> tuple[int, int]:
         """(start, length) of this rank's part of `total` items."""
@@ -110,6 +80,15 @@ class TPGroup:
         self.comm_seconds += time.perf_counter() - t0
         self.comm_calls += 1
         return out
+
+    def stats(self) -> tuple[float, int, float]:
+        """(seconds in collectives, calls, seconds of those waiting for other ranks)."""
+        return self.comm_seconds, self.comm_calls, self.comm.wait_seconds if self.comm is not None else 0.0
+
+    def reset_stats(self) -> None:
+        self.comm_seconds, self.comm_calls = 0.0, 0
+        if self.comm is not None:
+            self.comm.reset_wait()
 
     def barrier(self) -> None:
         if self.size > 1:

@@ -59,10 +59,12 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_heads, scale,
-                    sliding_window=0, softcap=0.0):
-    """Gathers each sequence's keys/values from the cache and runs masked softmax attention."""
+                    sliding_window=0, softcap=0.0, group=None, q_head_offset=0):
+    """Gathers each sequence's keys/values from the cache and runs masked softmax attention;
+    query head i uses kv head (i + q_head_offset) // group."""
     _, hk, bs, d = k_cache.shape
-    group = num_heads // hk
+    group = group or num_heads // hk
+    kv_of = torch.tensor([(i + q_head_offset) // group for i in range(num_heads)])
     out = torch.empty(q.shape[0], num_heads * d)
     for s in range(seq_lens.shape[0]):
         ctx = int(seq_lens[s])
@@ -71,8 +73,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         blocks = block_tables[s, :nblk].long()
         keys = k_cache[blocks].double().permute(1, 0, 2, 3).reshape(hk, nblk * bs, d)[:, :ctx]
         vals = v_cache[blocks].double().permute(1, 0, 2, 3).reshape(hk, nblk * bs, d)[:, :ctx]
-        keys = keys.repeat_interleave(group, dim=0)
-        vals = vals.repeat_interleave(group, dim=0)
+        keys, vals = keys[kv_of], vals[kv_of]
         qs = q[q0:q1].view(q1 - q0, num_heads, d).double().transpose(0, 1)  # [H, L, D]
         scores = qs @ keys.transpose(1, 2) * scale  # [H, L, ctx]
         if softcap > 0:

@@ -128,15 +128,16 @@ class ModelRunner:
         if self.ranks is not None:
             self.ranks.check_alive()
 
-    def comm_stats(self) -> list[tuple[float, int]]:
-        """Seconds and calls inside all-reduce/all-gather, per rank."""
-        stats = [(self.tp.comm_seconds, self.tp.comm_calls)]
+    def comm_stats(self) -> list[tuple[float, int, float]]:
+        """Per rank: seconds and calls inside all-reduce/all-gather, and the part of
+        those seconds spent waiting for the other ranks to arrive."""
+        stats = [self.tp.stats()]
         if self.ranks is not None:
             stats += self.ranks.request(("comm_stats",))
         return stats
 
     def reset_comm_stats(self) -> None:
-        self.tp.comm_seconds, self.tp.comm_calls = 0.0, 0
+        self.tp.reset_stats()
         if self.ranks is not None:
             self.ranks.broadcast(("reset_comm_stats",))
 

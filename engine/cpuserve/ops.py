@@ -103,20 +103,26 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_heads: int, scale: float,
                     sliding_window: int = 0, softcap: float = 0.0, out: torch.Tensor | None = None,
-                    k=KERNELS) -> torch.Tensor:
-    """q: [T, Hq*D] float32 -> out [T, Hq*D] float32."""
+                    group: int | None = None, q_head_offset: int = 0, k=KERNELS) -> torch.Tensor:
+    """q: [T, Hq*D] float32 -> out [T, Hq*D] float32. Query head i uses kv head
+    (i + q_head_offset) // group; group defaults to Hq / Hk (plain GQA)."""
     _f32(q, "q")
     _, hk, bs, d = k_cache.shape
-    if num_heads % hk:
-        raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads ({hk})")
+    if group is None:
+        if num_heads % hk:
+            raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads ({hk})")
+        group = num_heads // hk
+    if not 0 <= q_head_offset < group or (num_heads + q_head_offset + group - 1) // group != hk:
+        raise ValueError(f"{num_heads} query heads at offset {q_head_offset} in groups of {group} do not "
+                         f"cover exactly {hk} kv heads")
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
         if t.dtype != torch.int32 or not t.is_contiguous():
             raise TypeError(f"{name} must be a contiguous int32 tensor")
     out = torch.empty((q.shape[0], num_heads * d), dtype=torch.float32) if out is None else out
     k.paged_attention(out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                       _dtype_code(k_cache.dtype), block_tables.data_ptr(), block_tables.shape[1],
-                      seq_lens.data_ptr(), query_start_loc.data_ptr(), seq_lens.shape[0], num_heads, hk, d, bs,
-                      scale, sliding_window, softcap, q.stride(0), out.stride(0))
+                      seq_lens.data_ptr(), query_start_loc.data_ptr(), seq_lens.shape[0], num_heads, hk, group,
+                      q_head_offset, d, bs, scale, sliding_window, softcap, q.stride(0), out.stride(0))
     return out
 
 

@@ -64,9 +64,9 @@ def main(argv: list[str]) -> int:
             if kind == "forward":
                 runner.forward(*msg[1:])
             elif kind == "comm_stats":
-                conn.send(("comm_stats", (tp.comm_seconds, tp.comm_calls)))
+                conn.send(("comm_stats", tp.stats()))
             elif kind == "reset_comm_stats":
-                tp.comm_seconds, tp.comm_calls = 0.0, 0
+                tp.reset_stats()
             elif kind == "shutdown":
                 return 0
             else:

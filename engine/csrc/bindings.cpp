@@ -71,6 +71,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("world", &ShmComm::world)
       .def_property_readonly("slot_bytes", &ShmComm::slot_bytes)
       .def_property_readonly("seq", &ShmComm::seq)
+      .def_property_readonly("wait_seconds", &ShmComm::wait_seconds)
+      .def("reset_wait", &ShmComm::reset_wait)
       .def("all_reduce", [](ShmComm& c, uintptr_t data, int64_t n, int dtype) {
              if (dtype != 0 && dtype != 1) throw std::invalid_argument("all_reduce supports float32 and bfloat16");
              c.all_reduce(ptr<void>(data), n, static_cast<cpuserve::CommDType>(dtype));
@@ -117,11 +119,12 @@ PYBIND11_MODULE(_C, m) {
            }, G())
       .def("paged_attention", [](const Kernels& k, uintptr_t out, uintptr_t q, uintptr_t kc, uintptr_t vc, int dt,
                                  uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens, uintptr_t qsl,
-                                 int64_t num_seqs, int64_t hq, int64_t hk, int64_t d, int64_t bs, float scale,
-                                 int64_t window, float softcap, int64_t qs, int64_t os) {
+                                 int64_t num_seqs, int64_t hq, int64_t hk, int64_t group, int64_t q_off, int64_t d,
+                                 int64_t bs, float scale, int64_t window, float softcap, int64_t qs, int64_t os) {
              k.t->paged_attention(ptr<float>(out), ptr<const float>(q), ptr<const void>(kc), ptr<const void>(vc),
                                   to_dtype(dt), ptr<const int32_t>(tables), max_blocks, ptr<const int32_t>(seq_lens),
-                                  ptr<const int32_t>(qsl), num_seqs, hq, hk, d, bs, scale, window, softcap, qs, os);
+                                  ptr<const int32_t>(qsl), num_seqs, hq, hk, group, q_off, d, bs, scale, window,
+                                  softcap, qs, os);
            }, G())
       .def("pack_weight", [](const Kernels& k, uintptr_t dst, uintptr_t src, int dt, int64_t n, int64_t kk) {
              k.t->pack_weight(ptr<void>(dst), ptr<const void>(src), to_dtype(dt), n, kk);

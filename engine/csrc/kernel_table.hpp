@@ -35,11 +35,14 @@ struct KernelTable {
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                             int64_t key_stride, int64_t value_stride);
   // Paged attention for a batch of sequences, each contributing q_len = qsl[s+1]-qsl[s]
-  // query tokens that are the last q_len positions of its seq_lens[s] context.
+  // query tokens that are the last q_len positions of its seq_lens[s] context. Query
+  // head i uses kv head (i + q_head_offset) / group (GQA; an offset when a
+  // tensor-parallel rank holds part of a kv head's group).
   void (*paged_attention)(float* out, const float* q, const void* k_cache, const void* v_cache,
                           DType cache_dtype, const int32_t* block_tables, int64_t max_blocks,
                           const int32_t* seq_lens, const int32_t* query_start_loc, int64_t num_seqs,
-                          int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t num_q_heads, int64_t num_kv_heads, int64_t group, int64_t q_head_offset,
+                          int64_t head_dim,
                           int64_t block_size, float scale, int64_t sliding_window, float softcap,
                           int64_t q_stride, int64_t out_stride);
   // Packs W [N, K] (row-major, dtype wdt) into panels [ceil(N/nr)][K][nr], zero padded.

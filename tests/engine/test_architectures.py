@@ -40,18 +40,22 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def tiny(request, tmp_path_factory, llm_f32):
+def build_tiny(name, tmp_path_factory, llm_f32):
     torch.manual_seed(0)
-    config = CONFIGS[request.param]()
+    config = CONFIGS[name]()
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    path = tmp_path_factory.mktemp(request.param)
+    path = tmp_path_factory.mktemp(name)
     model.save_pretrained(str(path))
     src = llm_f32.engine.runner.model_dir
     for f in src.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, path / f.name)
-    return request.param, model, path
+    return name, model, path
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request, tmp_path_factory, llm_f32):
+    return build_tiny(request.param, tmp_path_factory, llm_f32)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -60,6 +64,22 @@ def test_logits_and_greedy_match_transformers(tiny, tp):
     shared-memory all-reduce, vocab-sharded LM head."""
     name, hf, path = tiny
     llm = LLM(str(path), dtype="float32", block_size=16, kv_cache_space=0.05, tensor_parallel_size=tp)
+    try:
+        check_against_transformers(name, hf, llm)
+    finally:
+        llm.engine.runner.close()
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory, llm_f32):
+    return build_tiny("llama-uneven", tmp_path_factory, llm_f32)
+
+
+def test_four_ranks_with_partial_gqa_groups(uneven):
+    """6 query / 3 kv heads on 4 ranks: 2+2+1+1 query heads, the last two ranks
+    each holding half of kv head 2's group (query-head offset 1 on rank 3)."""
+    name, hf, path = uneven
+    llm = LLM(str(path), dtype="float32", block_size=16, kv_cache_space=0.05, tensor_parallel_size=4)
     try:
         check_against_transformers(name, hf, llm)
     finally:

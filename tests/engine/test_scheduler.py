@@ -136,20 +136,15 @@ def test_admission_refuses_impossible_requests():
 
 # -- tensor-parallel shard sizing (pure) -------------------------------------------------
 def test_shard_sizes_balanced_not_required_to_divide():
-    from cpuserve.distributed import balanced_split, split_sizes
+    from cpuserve.distributed import split_sizes
     from cpuserve.layers.linear import qkv_head_split
 
     assert split_sizes(3, 2) == [2, 1] and split_sizes(49152, 2, 64) == [24576, 24576]
     assert split_sizes(50257, 2, 64) == [25152, 25105]  # GPT-2's vocabulary: the rest to the last rank
-    # SmolLM2: 9 query / 3 kv heads on two ranks: whole GQA groups, 2 + 1
-    assert qkv_head_split(9, 3, 2) == [(0, 6, 0, 2), (6, 3, 2, 1)]
+    # SmolLM2: 9 query / 3 kv heads on two ranks: 5 + 4 query heads, kv head 1 on both
+    assert qkv_head_split(9, 3, 2) == [(0, 5, 0, 2), (5, 4, 1, 2)]
+    assert qkv_head_split(8, 4, 2) == [(0, 4, 0, 2), (4, 4, 2, 2)]  # divisible: plain Megatron split
     assert qkv_head_split(8, 2, 4) == [(0, 2, 0, 1), (2, 2, 0, 1), (4, 2, 1, 1), (6, 2, 1, 1)]  # kv replicated
-    with pytest.raises(ValueError, match="multiple of the kv heads"):
-        qkv_head_split(9, 3, 4)
-    # ... and the MLP evens out the weights: SmolLM2 layer, attention 589824 vs 294912 weights
-    sizes = balanced_split(1536, [589824, 294912], 3 * 576, align=32)
-    assert sizes == [672, 864] and sum(sizes) == 1536
-    loads = [f + n * 3 * 576 for f, n in zip([589824, 294912], sizes)]
-    assert max(loads) / min(loads) < 1.03
-    assert balanced_split(1536, [7, 7], 1728, 32) == [768, 768]  # even attention: even MLP
-    assert balanced_split(4, [1e9, 0], 1, 32) == [2, 2]  # never a rank without a shard
+    assert qkv_head_split(6, 3, 4) == [(0, 2, 0, 1), (2, 2, 1, 1), (4, 1, 2, 1), (5, 1, 2, 1)]
+    with pytest.raises(ValueError, match="cannot be split"):
+        qkv_head_split(2, 1, 4)

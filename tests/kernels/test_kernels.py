@@ -119,6 +119,26 @@ def test_paged_attention_window_softcap(kern, window, softcap):
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("hq,hk,group,offset", [(5, 2, 3, 0), (4, 2, 3, 2), (1, 1, 3, 1), (7, 3, 4, 3)])
+def test_paged_attention_partial_groups(kern, hq, hk, group, offset):
+    """A tensor-parallel rank's slice of GQA: its query heads start inside a kv
+    head's group (SmolLM2's 9 q / 3 kv heads on two ranks: 5 + 4 query heads)."""
+    q_lens, ctx_lens = [1, 21, 1], [40, 21, 130]
+    q, kc, vc, tables, seq_lens, qsl, _ = _attention_case(torch.float32, 16, 1, 64, q_lens, ctx_lens, 5)
+    kc, vc = kc[:, :1].repeat(1, hk, 1, 1).contiguous(), vc[:, :1].repeat(1, hk, 1, 1).contiguous()
+    kc += torch.arange(hk).view(1, hk, 1, 1)  # kv heads distinguishable
+    q = torch.randn(q.shape[0], hq * 64)
+    got = ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, hq, 0.125, group=group, q_head_offset=offset, k=kern)
+    want = ref.paged_attention(q, kc, vc, tables, seq_lens, qsl, hq, 0.125, group=group, q_head_offset=offset)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_paged_attention_rejects_inconsistent_groups():
+    q, kc, vc, tables, seq_lens, qsl, _ = _attention_case(torch.float32, 16, 1, 64, [1], [10], 2)
+    with pytest.raises(ValueError, match="do not cover exactly"):
+        ops.paged_attention(torch.randn(1, 5 * 64), kc, vc, tables, seq_lens, qsl, 5, 0.1, group=2)
+
+
 def test_paged_attention_row_independent_of_chunking(kern):
     """A query row gives bit-identical output whether its prompt is processed whole,
     in chunks, or alone: the property batch invariance rests on."""

@@ -64,35 +64,34 @@ class MergedColumnParallelLinear(Linear):
 
 
 def qkv_head_split(hq: int, hk: int, size: int) -> list[tuple[int, int, int, int]]:
-    """(first q head, q heads, first kv head, kv heads) of every rank."""
+    """(first q head, q heads, first kv head, kv heads) of every rank: query heads
+    split as evenly as possible, each rank holding the kv heads its query heads
+    use. A kv head whose group straddles two ranks is held by both (SmolLM2's 9
+    query / 3 kv heads on two ranks: q 0-4 with kv 0-1, q 5-8 with kv 1-2)."""
     if hq % hk:
         raise ValueError(f"attention heads ({hq}) must be a multiple of kv heads ({hk})")
+    if hq < size:
+        raise ValueError(f"attention heads ({hq}) cannot be split across tensor_parallel_size={size} ranks")
     g = hq // hk
-    if hk >= size:
-        out, k0 = [], 0
-        for nk in split_sizes(hk, size):
-            out.append((k0 * g, nk * g, k0, nk))
-            k0 += nk
-        return out
-    if size % hk or hq % size:
-        raise ValueError(f"tensor_parallel_size ({size}) must be a multiple of the kv heads ({hk}) "
-                         f"and divide the attention heads ({hq})")
-    nq = hq // size
-    return [(r * nq, nq, r * hk // size, 1) for r in range(size)]
+    out, q0 = [], 0
+    for nq in split_sizes(hq, size):
+        k0, k1 = q0 // g, (q0 + nq - 1) // g + 1
+        out.append((q0, nq, k0, k1 - k0))
+        q0 += nq
+    return out
 
 
 class QKVParallelLinear(Linear):
-    """Fused q, k, v projections, split by whole GQA groups: each rank takes a
-    balanced share of the kv heads and the query heads that attend to them (2 and
-    1 groups of 3 query heads for 3 kv heads on two ranks). With fewer kv heads
-    than ranks, each kv head is replicated on the ranks sharing its group.
-    `o_range` is the matching (start, length) of the output projection's input."""
+    """Fused q, k, v projections, split by qkv_head_split. `o_range` is the
+    matching (start, length) of the output projection's input; `group` and
+    `q_head_offset` tell the attention kernel which local kv head each local
+    query head uses."""
 
     def __init__(self, q, k, v, biases, head_dim: int, dtype, tp: TPGroup):
         hq, hk = q.shape[0] // head_dim, k.shape[0] // head_dim
         self.heads_per_rank = qkv_head_split(hq, hk, tp.size)
         q0, nq, k0, nk = self.heads_per_rank[tp.rank]
-        self.head_dim, self.in_features = head_dim, q.shape[1]
+        self.group, self.q_head_offset = hq // hk, q0 - k0 * (hq // hk)
         self.num_heads, self.num_kv_heads = nq, nk
         sel = [(q, q0, nq), (k, k0, nk), (v, k0, nk)]
         w = torch.cat([t[s * head_dim:(s + n) * head_dim] for t, s, n in sel])
@@ -102,11 +101,6 @@ class QKVParallelLinear(Linear):
         super().__init__(w, b, dtype)
         self.q_size, self.kv_size = nq * head_dim, nk * head_dim
         self.o_range = (q0 * head_dim, nq * head_dim)
-
-    def attention_weights_per_rank(self, out_features: int) -> list[int]:
-        """Weights of q/k/v and of the output projection (out_features rows) on each rank."""
-        return [(nq + 2 * nk) * self.head_dim * self.in_features + out_features * nq * self.head_dim
-                for _, nq, _, nk in self.heads_per_rank]
 
     def split(self, qkv: torch.Tensor):
         q = qkv[:, : self.q_size]

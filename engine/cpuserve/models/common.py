@@ -48,17 +48,13 @@ def attention_projections(w: Weights, prefix: str, head_dim: int, dtype: torch.d
     return qkv, o_proj
 
 
-def gated_mlp(w: Weights, prefix: str, dtype: torch.dtype, tp, qkv):
+def gated_mlp(w: Weights, prefix: str, dtype: torch.dtype, tp):
     """gate/up (merged, column-parallel) and down (row-parallel) of a Hugging Face
-    `mlp` block. With tensor parallelism, the features are split so that each
-    rank's attention + MLP weights come out equal: a rank with fewer attention
-    heads (uneven GQA groups) gets more MLP features."""
+    `mlp` block, sharing one split of the intermediate features."""
     from cpuserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
     gate, up, down = (w.take(f"{prefix}mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
-    hidden, inter = gate.shape[1], gate.shape[0]
-    fixed = qkv.attention_weights_per_rank(down.shape[0])
-    shard = tp.balanced_shard(inter, fixed, unit=3 * hidden, align=32)
+    shard = tp.shard(gate.shape[0], "intermediate features", align=32)
     gate_up = MergedColumnParallelLinear([gate, up], None, dtype, tp, shard)
     return gate_up, RowParallelLinear(down, None, dtype, tp, shard)
 

@@ -43,10 +43,10 @@ class Gemma3DecoderLayer:
         self.q_norm = RMSNorm(w.take(p + "self_attn.q_norm.weight"), eps, offset=1.0)
         self.k_norm = RMSNorm(w.take(p + "self_attn.k_norm.weight"), eps, offset=1.0)
         window = c.sliding_window if kind == "sliding_attention" else 0
-        self.attn = PagedAttention(self.qkv.num_heads, self.qkv.num_kv_heads, c.head_dim,
-                                   c.query_pre_attn_scalar ** -0.5, window, getattr(c, "attn_logit_softcapping", 0) or 0)
+        self.attn = PagedAttention.for_qkv(self.qkv, c.head_dim, c.query_pre_attn_scalar ** -0.5, window,
+                                           getattr(c, "attn_logit_softcapping", 0) or 0)
         self.rotary = rotary
-        self.gate_up, self.down = gated_mlp(w, p, dtype, tp, self.qkv)
+        self.gate_up, self.down = gated_mlp(w, p, dtype, tp)
         norm = lambda n: RMSNorm(w.take(p + n + ".weight"), eps, offset=1.0)  # noqa: E731
         self.input_norm, self.post_attn_norm = norm("input_layernorm"), norm("post_attention_layernorm")
         self.pre_ff_norm, self.post_ff_norm = norm("pre_feedforward_layernorm"), norm("post_feedforward_layernorm")

@@ -28,7 +28,7 @@ class GPT2Block:
         scale = hd ** -0.5 if c.scale_attn_weights else 1.0
         if getattr(c, "scale_attn_by_inverse_layer_idx", False):
             scale /= float(i + 1)
-        self.attn = PagedAttention(self.qkv.num_heads, self.qkv.num_kv_heads, hd, scale)
+        self.attn = PagedAttention.for_qkv(self.qkv, hd, scale)
         self.ln_1 = LayerNorm(w.take(p + "ln_1.weight"), w.take(p + "ln_1.bias"), eps)
         self.ln_2 = LayerNorm(w.take(p + "ln_2.weight"), w.take(p + "ln_2.bias"), eps)
         self.c_fc = ColumnParallelLinear(w.take(p + "mlp.c_fc.weight").t(), w.take(p + "mlp.c_fc.bias"), dtype, tp)

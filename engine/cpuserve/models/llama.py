@@ -25,10 +25,10 @@ class LlamaDecoderLayer:
             window = getattr(c, "sliding_window", None) or 0
         elif getattr(c, "use_sliding_window", False):
             raise ValueError("Qwen sliding-window layers (use_sliding_window=true) are not supported")
-        self.attn = PagedAttention(self.qkv.num_heads, self.qkv.num_kv_heads, self.head_dim,
+        self.attn = PagedAttention.for_qkv(self.qkv, self.head_dim,
                                    self.head_dim ** -0.5, window)
         self.rotary = rotary
-        self.gate_up, self.down = gated_mlp(w, p, dtype, tp, self.qkv)
+        self.gate_up, self.down = gated_mlp(w, p, dtype, tp)
         self.input_norm = RMSNorm(w.take(p + "input_layernorm.weight"), c.rms_norm_eps)
         self.post_attn_norm = RMSNorm(w.take(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
 

@@ -24,7 +24,7 @@ class OPTDecoderLayer:
                                      hd, dtype, tp)
         self.out_proj = RowParallelLinear(t("self_attn.out_proj.weight"), t("self_attn.out_proj.bias"), dtype, tp,
                                           self.qkv.o_range)
-        self.attn = PagedAttention(self.qkv.num_heads, self.qkv.num_kv_heads, hd, hd ** -0.5)
+        self.attn = PagedAttention.for_qkv(self.qkv, hd, hd ** -0.5)
         self.attn_norm = LayerNorm(t("self_attn_layer_norm.weight"), t("self_attn_layer_norm.bias"), 1e-5)
         self.fc1 = ColumnParallelLinear(t("fc1.weight"), t("fc1.bias"), dtype, tp)
         self.fc2 = RowParallelLinear(t("fc2.weight"), t("fc2.bias"), dtype, tp)

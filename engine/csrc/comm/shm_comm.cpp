@@ -151,8 +151,15 @@ void ShmComm::check_peers() {
   }
 }
 
+static uint64_t now_ns() {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
+}
+
 void ShmComm::publish_and_wait(uint64_t seq) {
   hdr_->flags[rank_].seq.store(seq, std::memory_order_release);
+  const uint64_t t0 = now_ns();
   for (int r = 0; r < world_; ++r) {
     uint64_t spins = 0;
     while (hdr_->flags[r].seq.load(std::memory_order_acquire) < seq) {
@@ -169,6 +176,7 @@ void ShmComm::publish_and_wait(uint64_t seq) {
       }
     }
   }
+  wait_ns_ += now_ns() - t0;
   if (hdr_->aborted.load(std::memory_order_acquire) != 0) check_peers();
 }
 

@@ -43,6 +43,10 @@ class ShmComm {
   int world() const { return world_; }
   int64_t slot_bytes() const { return slot_bytes_; }
   uint64_t seq() const { return seq_; }
+  // Seconds spent waiting for the other ranks to arrive (load imbalance), as
+  // opposed to moving and summing data; reset with reset_wait().
+  double wait_seconds() const { return wait_ns_ * 1e-9; }
+  void reset_wait() { wait_ns_ = 0; }
 
  private:
   struct Header;
@@ -59,6 +63,7 @@ class ShmComm {
   Header* hdr_ = nullptr;
   char* data_ = nullptr;
   uint64_t seq_ = 0;
+  uint64_t wait_ns_ = 0;
   bool owner_ = false;
 };
 

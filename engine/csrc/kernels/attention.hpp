@@ -82,11 +82,13 @@ inline void accumulate_values(float* acc, const float* p, const float* v, int64_
 template <typename T>
 void paged_attention_t(float* out, const float* q, const T* k_cache, const T* v_cache,
                        const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
-                       const int32_t* qsl, int64_t num_seqs, int64_t hq, int64_t hk, int64_t d,
-                       int64_t bs, float scale, int64_t window, float softcap, int64_t q_stride,
-                       int64_t out_stride) {
+                       const int32_t* qsl, int64_t num_seqs, int64_t hq, int64_t hk, int64_t group,
+                       int64_t q_off, int64_t d, int64_t bs, float scale, int64_t window, float softcap,
+                       int64_t q_stride, int64_t out_stride) {
   constexpr bool kConvert = !std::is_same<T, float>::value;
-  const int64_t group = hq / hk;
+  // Local query head i attends with kv head (i + q_off) / group: with q_off = 0 and
+  // hq = hk * group this is plain GQA; a tensor-parallel rank holding part of a
+  // group passes where its first query head sits inside its first kv head's group.
   // The work list is rebuilt per call but reuses its storage: no allocation once warm.
   // Splitting decode rows per query head re-reads each key/value tile `group`
   // times, so it is done only when whole groups would leave threads idle.
@@ -100,10 +102,14 @@ void paged_attention_t(float* out, const float* q, const T* k_cache, const T* v_
     for (int32_t r = 0; r < q_len; r += kQTile)
       for (int32_t h = 0; h < hk; ++h) {
         const int32_t rows = std::min<int32_t>(kQTile, q_len - r);
+        // this kv head's query heads, as local indices
+        const int32_t ga = static_cast<int32_t>(std::max<int64_t>(0, h * group - q_off));
+        const int32_t gb = static_cast<int32_t>(std::min<int64_t>(hq, (h + 1) * group - q_off));
+        if (ga >= gb) continue;
         if (q_len == 1 && split_heads) {
-          for (int32_t g = 0; g < group; ++g) items.push_back({static_cast<int32_t>(s), h, r, rows, g, g + 1});
+          for (int32_t g = ga; g < gb; ++g) items.push_back({static_cast<int32_t>(s), h, r, rows, g, g + 1});
         } else {
-          items.push_back({static_cast<int32_t>(s), h, r, rows, 0, static_cast<int32_t>(group)});
+          items.push_back({static_cast<int32_t>(s), h, r, rows, ga, gb});
         }
       }
   }
@@ -165,7 +171,7 @@ void paged_attention_t(float* out, const float* q, const T* k_cache, const T* v_
           const float* kr = kb + (k_lo - base) * d;
           const int64_t tok = qsl[w.seq] + w.row0 + r;
           for (int64_t g = w.g0; g < w.g1; ++g) {
-            const float* qv = q + tok * q_stride + (w.kv_head * group + g) * d;
+            const float* qv = q + tok * q_stride + g * d;
             const int64_t st = r * ng + (g - w.g0);
             int64_t j = 0;
             for (; j + 4 <= n; j += 4) dot4(qv, kr + j * d, d, sc + j);
@@ -204,7 +210,7 @@ void paged_attention_t(float* out, const float* q, const T* k_cache, const T* v_
         for (int64_t g = w.g0; g < w.g1; ++g) {
           const int64_t st = r * ng + (g - w.g0);
           const float inv = l[st] > 0.f ? 1.f / l[st] : 0.f;
-          float* o = out + tok * out_stride + (w.kv_head * group + g) * d;
+          float* o = out + tok * out_stride + g * d;
           const float* a = acc + st * d;
           for (int64_t e = 0; e < d; ++e) o[e] = a[e] * inv;
         }
@@ -216,20 +222,20 @@ void paged_attention_t(float* out, const float* q, const T* k_cache, const T* v_
 void paged_attention_impl(float* out, const float* q, const void* k_cache, const void* v_cache,
                           DType dt, const int32_t* block_tables, int64_t max_blocks,
                           const int32_t* seq_lens, const int32_t* qsl, int64_t num_seqs, int64_t hq,
-                          int64_t hk, int64_t d, int64_t bs, float scale, int64_t window,
-                          float softcap, int64_t q_stride, int64_t out_stride) {
+                          int64_t hk, int64_t group, int64_t q_off, int64_t d, int64_t bs, float scale,
+                          int64_t window, float softcap, int64_t q_stride, int64_t out_stride) {
   switch (dt) {
     case DType::F32:
       return paged_attention_t(out, q, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache),
-                               block_tables, max_blocks, seq_lens, qsl, num_seqs, hq, hk, d, bs, scale,
+                               block_tables, max_blocks, seq_lens, qsl, num_seqs, hq, hk, group, q_off, d, bs, scale,
                                window, softcap, q_stride, out_stride);
     case DType::BF16:
       return paged_attention_t(out, q, static_cast<const bf16*>(k_cache), static_cast<const bf16*>(v_cache),
-                               block_tables, max_blocks, seq_lens, qsl, num_seqs, hq, hk, d, bs, scale,
+                               block_tables, max_blocks, seq_lens, qsl, num_seqs, hq, hk, group, q_off, d, bs, scale,
                                window, softcap, q_stride, out_stride);
     case DType::F16:
       return paged_attention_t(out, q, static_cast<const f16*>(k_cache), static_cast<const f16*>(v_cache),
-                               block_tables, max_blocks, seq_lens, qsl, num_seqs, hq, hk, d, bs, scale,
+                               block_tables, max_blocks, seq_lens, qsl, num_seqs, hq, hk, group, q_off, d, bs, scale,
                                window, softcap, q_stride, out_stride);
   }
 }

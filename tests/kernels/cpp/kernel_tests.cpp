@@ -149,9 +149,9 @@ void check_attention(const KernelTable* v, DType dt, int64_t bs, int64_t group) 
   std::vector<float> o1(q.size()), o2(q.size());
   for (int64_t window : {int64_t(0), int64_t(16)}) {
     v->paged_attention(o1.data(), q.data(), kc.data(), vc.data(), dt, tables.data(), max_blocks, ctx.data(),
-                       qsl.data(), 3, hq, hk, d, bs, 0.125f, window, 0.f, hq * d, hq * d);
+                       qsl.data(), 3, hq, hk, group, 0, d, bs, 0.125f, window, 0.f, hq * d, hq * d);
     s->paged_attention(o2.data(), q.data(), kc.data(), vc.data(), dt, tables.data(), max_blocks, ctx.data(),
-                       qsl.data(), 3, hq, hk, d, bs, 0.125f, window, 0.f, hq * d, hq * d);
+                       qsl.data(), 3, hq, hk, group, 0, d, bs, 0.125f, window, 0.f, hq * d, hq * d);
     expect_close(o1, o2, 2e-5f);
   }
 }

@@ -50,3 +50,19 @@ def test_tp2_server_matches_tp1_and_dies_with_a_rank(server):
     while core is not None and core.is_running() and core.status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "the engine core outlived its server"
         time.sleep(0.2)
+
+
+def test_api_process_pinned_to_reserved_cpus():
+    cpus = sorted(os.sched_getaffinity(0))
+    s = Server("--served-model-name", "smollm2", env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})
+    try:
+        api = psutil.Process(s.proc.pid)
+        core = [p for p in api.children() if "spawn_main" in " ".join(p.cmdline())][0]
+        assert api.cpu_affinity() == cpus[-1:]  # the reserved core: the last of the node
+        assert set(core.cpu_affinity()) <= set(cpus[:-1])  # engine threads on the rest
+        r = httpx.post(s.url + "/v1/completions", timeout=60,
+                       json={"model": "smollm2", "prompt": "Hello", "max_tokens": 4})
+        assert r.status_code == 200
+        assert "API process pinned to reserved CPUs" in s.output()
+    finally:
+        s.stop()

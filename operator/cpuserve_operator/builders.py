@@ -1,0 +1,160 @@
+"""Kubernetes objects for a CPUModelServer: one pod per placement, a Service,
+an optional Ingress. Pure functions of the spec and the placement; names are
+deterministic (server, spec hash, replica index) so that a reconcile that runs
+twice creates nothing twice."""
+from __future__ import annotations
+
+from cpuserve_operator.placement import GiB, Placement, ServerSpec
+
+GROUP, VERSION, PLURAL, KIND = "cpuserve.dev", "v1alpha1", "cpumodelservers", "CPUModelServer"
+L_SERVER, L_REPLICA, L_HASH = "cpuserve.dev/server", "cpuserve.dev/replica", "cpuserve.dev/spec-hash"
+A_SLOT, A_CPUS = "cpuserve.dev/slot", "cpuserve.dev/cpus"
+SHM_BYTES_PER_RANK = 2 * 4 << 20      # the engine's all-reduce slots (2 parities x 4 MiB per rank)
+MODEL_MOUNT = "/models"
+
+
+def owner_ref(cr: dict) -> dict:
+    meta = cr["metadata"]
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": meta["name"], "uid": meta["uid"],
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def selector(name: str) -> dict:
+    return {L_SERVER: name}
+
+
+def pod_name(spec: ServerSpec, index: int) -> str:
+    return f"{spec.name}-{spec.hash()[:6]}-{index}"
+
+
+def engine_args(spec: ServerSpec) -> list[str]:
+    args = ["serve"]
+    source = spec.model_source
+    if source.startswith("file://"):
+        args.append(source[len("file://"):])
+    elif source.startswith("pvc://"):
+        claim, _, path = source[len("pvc://"):].partition("/")
+        args.append(f"{MODEL_MOUNT}/{claim}/{path}".rstrip("/"))
+    # packaged://...: the image's default model, no argument
+    args += ["--host", "0.0.0.0", "--port", str(spec.port), "--served-model-name", spec.served_name,
+             "--dtype", spec.dtype, "--max-num-seqs", str(spec.max_num_seqs),
+             "--tensor-parallel-size", str(spec.ranks)]
+    if spec.max_model_len:
+        args += ["--max-model-len", str(spec.max_model_len)]
+    return args + list(spec.extra_args)
+
+
+def engine_env(spec: ServerSpec, p: Placement) -> list[dict]:
+    env = {"VLLM_CPU_KVCACHE_SPACE": f"{spec.kv_cache_gib:g}",
+           # the reference's own defaults, made explicit: none with one rank, one core per rank with several
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0" if spec.ranks == 1 else "1",
+           "CPUSERVE_CACHE": "/var/cache/cpuserve"}
+    if spec.pinning == "Engine":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, cpus)) for cpus in p.rank_cpus)
+        env["CPU_VISIBLE_MEMORY_NODES"] = ",".join(map(str, p.slot.numa))
+    else:  # the kubelet's static managers give the pod its cpuset and memory nodes; bind inside them
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "auto"
+    return [{"name": k, "value": v} for k, v in env.items()]
+
+
+def _probe(port_name: str, **kw) -> dict:
+    return {"httpGet": {"path": "/health", "port": port_name}, **kw}
+
+
+def build_pod(cr: dict, spec: ServerSpec, p: Placement) -> dict:
+    name = pod_name(spec, p.index)
+    resources = {"cpu": str(p.cpus), "memory": str(p.memory)}
+    seccomp = {"type": spec.seccomp_type}
+    if spec.seccomp_type == "Localhost":
+        seccomp["localhostProfile"] = spec.seccomp_localhost
+    shm = SHM_BYTES_PER_RANK * spec.ranks + (64 << 20)
+    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(shm)}},
+               {"name": "cache", "emptyDir": {}}]
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "cache", "mountPath": "/var/cache/cpuserve"}]
+    if spec.model_source.startswith("pvc://"):
+        claim = spec.model_source[len("pvc://"):].partition("/")[0]
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": f"{MODEL_MOUNT}/{claim}", "readOnly": True})
+    annotations = {A_SLOT: p.slot.key}
+    if p.rank_cpus:
+        annotations[A_CPUS] = "|".join(",".join(map(str, c)) for c in p.rank_cpus)
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {
+            "name": name, "namespace": cr["metadata"]["namespace"],
+            "labels": {"app.kubernetes.io/name": "cpuserve", "app.kubernetes.io/instance": spec.name,
+                       "app.kubernetes.io/managed-by": "cpuserve-operator", L_SERVER: spec.name,
+                       L_REPLICA: str(p.index), L_HASH: spec.hash()},
+            "annotations": annotations,
+            "ownerReferences": [owner_ref(cr)],
+        },
+        "spec": {
+            # The operator is the placer: it knows NUMA slots the scheduler does not. The
+            # kubelet still admits the pod (and may reject it: OutOfcpu, TopologyAffinityError).
+            "nodeName": p.slot.node,
+            "nodeSelector": {"kubernetes.io/arch": p.arch},
+            "restartPolicy": "Always",
+            "terminationGracePeriodSeconds": 30,
+            "securityContext": {"seccompProfile": seccomp},
+            "containers": [{
+                "name": "engine",
+                "image": spec.image,
+                "imagePullPolicy": spec.pull_policy,
+                "command": ["cpuserve"],
+                "args": engine_args(spec),
+                "env": engine_env(spec, p),
+                "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
+                "resources": {"requests": dict(resources), "limits": dict(resources)},  # Guaranteed QoS
+                "securityContext": {"capabilities": {"add": ["SYS_NICE"]}, "allowPrivilegeEscalation": False},
+                "startupProbe": _probe("http", periodSeconds=5, failureThreshold=120, timeoutSeconds=3),
+                "readinessProbe": _probe("http", periodSeconds=5, failureThreshold=2, timeoutSeconds=3),
+                "livenessProbe": _probe("http", periodSeconds=10, failureThreshold=3, timeoutSeconds=5),
+                "volumeMounts": mounts,
+            }],
+            "volumes": volumes,
+        },
+    }
+
+
+def build_service(cr: dict, spec: ServerSpec) -> dict:
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": spec.name, "namespace": cr["metadata"]["namespace"],
+                     "labels": {"app.kubernetes.io/name": "cpuserve", L_SERVER: spec.name},
+                     "ownerReferences": [owner_ref(cr)]},
+        "spec": {"type": spec.service_type, "selector": selector(spec.name),
+                 "ports": [{"name": "http", "port": spec.port, "targetPort": "http", "protocol": "TCP"}]},
+    }
+
+
+def build_ingress(cr: dict, spec: ServerSpec) -> dict | None:
+    ing = spec.ingress
+    if not ing.get("enabled"):
+        return None
+    rule = {"http": {"paths": [{"path": ing.get("path", "/"), "pathType": "Prefix",
+                                "backend": {"service": {"name": spec.name, "port": {"number": spec.port}}}}]}}
+    if ing.get("host"):
+        rule["host"] = ing["host"]
+    body = {"rules": [rule]}
+    if ing.get("className"):
+        body["ingressClassName"] = ing["className"]
+    if ing.get("tls"):
+        body["tls"] = [{"hosts": [ing["host"]], "secretName": f"{spec.name}-tls"}]
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
+        "metadata": {"name": spec.name, "namespace": cr["metadata"]["namespace"],
+                     "labels": {"app.kubernetes.io/name": "cpuserve", L_SERVER: spec.name},
+                     "ownerReferences": [owner_ref(cr)]},
+        "spec": body,
+    }
+
+
+def endpoint(cr: dict, spec: ServerSpec) -> str:
+    if spec.ingress.get("enabled") and spec.ingress.get("host"):
+        scheme = "https" if spec.ingress.get("tls") else "http"
+        return f"{scheme}://{spec.ingress['host']}{spec.ingress.get('path', '/').rstrip('/')}/v1"
+    return f"http://{spec.name}.{cr['metadata']['namespace']}.svc:{spec.port}/v1"
+
+
+def memory_gib(p: Placement) -> float:
+    return p.memory / GiB

@@ -1,0 +1,306 @@
+"""Placement: which node and NUMA node(s) each replica of a CPUModelServer runs
+on, and how large its pod is. Pure functions of the CR's spec and the nodes'
+topology; the reconciler only carries the result out.
+
+A *slot* is one NUMA node of a machine (PerNUMANode: one single-rank replica
+each, data parallel) or `tensorParallelSize` NUMA nodes of one machine
+(TensorParallel: one pod, one engine rank per NUMA node). A pod gets its slot's
+logical CPUs minus `reservedCPUs` cores per NUMA node (left to the kubelet and
+the node's daemons), and memory for weights + KV cache per rank + overhead.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+GiB = 1 << 30
+LABEL_PREFIX = "cpuserve.dev/"
+TOPOLOGY_ANNOTATION = "cpuserve.dev/topology"
+
+
+# -- inputs --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NumaNode:
+    id: int
+    cpus: tuple[int, ...]          # logical CPU ids
+    memory: int                    # bytes
+    threads_per_core: int = 1
+
+    @property
+    def physical_cores(self) -> tuple[int, ...]:
+        """First thread of each core, assuming the kernel's numbering (siblings share a core)."""
+        n = max(1, len(self.cpus) // max(1, self.threads_per_core))
+        return self.cpus[:n]
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    arch: str
+    numa: tuple[NumaNode, ...]
+    isa: frozenset[str] = frozenset()
+    labels: dict = field(default_factory=dict, hash=False, compare=False)
+    ready: bool = True
+    schedulable: bool = True
+    known_topology: bool = True    # False: nothing published; seen as one NUMA node of its allocatable CPUs
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str
+    model_source: str
+    served_name: str
+    size_gib: float
+    dtype: str
+    kv_cache_gib: float
+    overhead_gib: float
+    max_num_seqs: int
+    max_model_len: int | None
+    extra_args: tuple[str, ...]
+    strategy: str
+    tp: int
+    reserved_cpus: int
+    pinning: str
+    required_isa: tuple[str, ...]
+    node_selector: dict
+    seccomp_type: str
+    seccomp_localhost: str | None
+    replicas: int
+    image: str
+    pull_policy: str
+    service_type: str
+    port: int
+    ingress: dict
+
+    @property
+    def ranks(self) -> int:
+        return self.tp if self.strategy == "TensorParallel" else 1
+
+    def hash(self) -> str:
+        """What the pods are built from (not replicas, service or ingress): a change rolls the pods."""
+        keys = ("model_source", "served_name", "size_gib", "dtype", "kv_cache_gib", "overhead_gib", "max_num_seqs",
+                "max_model_len", "extra_args", "strategy", "tp", "reserved_cpus", "pinning", "required_isa",
+                "node_selector", "seccomp_type", "seccomp_localhost", "image", "pull_policy", "port")
+        blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True, default=list)
+        return hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+
+def parse_spec(name: str, spec: dict) -> ServerSpec:
+    """The CR's spec with the CRD's defaults filled in (the API server applies them
+    too; filling them here keeps the planner usable on partial objects in tests)."""
+    m, e, p = spec.get("model", {}), spec.get("engine", {}), spec.get("placement", {})
+    sec, img, svc = spec.get("seccompProfile", {}), spec.get("image", {}), spec.get("service", {})
+    ing = {"enabled": False, "host": "", "className": "", "path": "/", "tls": False, **spec.get("ingress", {})}
+    return ServerSpec(
+        name=name, model_source=m.get("source", "packaged://smollm2"), served_name=m.get("servedName", "model"),
+        size_gib=float(m.get("sizeGiB", 1)), dtype=e.get("dtype", "auto"), kv_cache_gib=float(e.get("kvCacheGiB", 4)),
+        overhead_gib=float(e.get("overheadGiB", 1)), max_num_seqs=int(e.get("maxNumSeqs", 128)),
+        max_model_len=e.get("maxModelLen"), extra_args=tuple(e.get("extraArgs", [])),
+        strategy=p.get("strategy", "PerNUMANode"), tp=int(p.get("tensorParallelSize", 1)),
+        reserved_cpus=int(p.get("reservedCPUs", 1)), pinning=p.get("pinning", "Kubelet"),
+        required_isa=tuple(p.get("requiredISA", [])), node_selector=dict(p.get("nodeSelector", {})),
+        seccomp_type=sec.get("type", "Unconfined"), seccomp_localhost=sec.get("localhostProfile"),
+        replicas=int(spec.get("replicas", 1)),
+        image=f"{img.get('repository', 'ghcr.io/cpuserve/engine')}:{img.get('tag', 'latest')}",
+        pull_policy=img.get("pullPolicy", "IfNotPresent"), service_type=svc.get("type", "ClusterIP"),
+        port=int(svc.get("port", 8000)), ingress=ing)
+
+
+# -- node topology from the API ------------------------------------------------------------------
+def _cpulist(text: str) -> tuple[int, ...]:
+    out: list[int] = []
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return tuple(sorted(set(out)))
+
+
+def node_from_api(node: dict, nrt: dict | None = None) -> Node:
+    """Node topology from, in order: our agent's annotation, a NodeResourceTopology
+    object, or nothing (one NUMA node of the allocatable CPUs and memory). ISA flags
+    from our labels and node-feature-discovery's."""
+    meta, status = node.get("metadata", {}), node.get("status", {})
+    labels, ann = meta.get("labels", {}) or {}, meta.get("annotations", {}) or {}
+    arch = labels.get("kubernetes.io/arch", "amd64")
+    isa = {k[len(LABEL_PREFIX) + 4:] for k, v in labels.items() if k.startswith(LABEL_PREFIX + "isa.") and v == "true"}
+    for k, v in labels.items():  # node-feature-discovery: feature.node.kubernetes.io/cpu-cpuid.AVX512F=true
+        if k.startswith("feature.node.kubernetes.io/cpu-cpuid.") and v == "true":
+            isa.add(k.rsplit(".", 1)[1].lower())
+    conds = {c.get("type"): c.get("status") for c in status.get("conditions", []) or []}
+    ready = conds.get("Ready") == "True"
+    schedulable = not (node.get("spec", {}) or {}).get("unschedulable", False)
+    numa: list[NumaNode] = []
+    known = True
+    if TOPOLOGY_ANNOTATION in ann:
+        data = json.loads(ann[TOPOLOGY_ANNOTATION])
+        tpc = int(data.get("threadsPerCore", 1))
+        numa = [NumaNode(int(n["id"]), _cpulist(n["cpus"]), int(n["memory"]), tpc) for n in data["numaNodes"]]
+    elif nrt is not None:  # topology.node.k8s.io NodeResourceTopology: zones of type Node
+        for z in nrt.get("zones", []) or []:
+            if z.get("type") != "Node":
+                continue
+            res = {r["name"]: r for r in z.get("resources", []) or []}
+            cpus = int(_quantity(res.get("cpu", {}).get("capacity", "0")))
+            mem = int(_quantity(res.get("memory", {}).get("capacity", "0")))
+            nid = int(z["name"].rsplit("-", 1)[-1]) if z["name"].rsplit("-", 1)[-1].isdigit() else len(numa)
+            numa.append(NumaNode(nid, tuple(range(cpus)), mem))  # ids unknown: counts only
+    if not numa:
+        known = False
+        alloc = status.get("allocatable", {}) or {}
+        numa = [NumaNode(0, tuple(range(int(_quantity(alloc.get("cpu", "0"))))), int(_quantity(alloc.get("memory", "0"))))]
+    return Node(meta["name"], arch, tuple(sorted(numa, key=lambda n: n.id)), frozenset(isa), labels, ready,
+                schedulable, known)
+
+
+_SUFFIX = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10**3, "M": 10**6, "G": 10**9,
+           "T": 10**12, "m": 1e-3}
+
+
+def _quantity(q) -> float:
+    q = str(q)
+    for s in sorted(_SUFFIX, key=len, reverse=True):
+        if q.endswith(s):
+            return float(q[: -len(s)]) * _SUFFIX[s]
+    return float(q)
+
+
+# -- outputs ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Slot:
+    node: str
+    numa: tuple[int, ...]
+
+    @property
+    def key(self) -> str:
+        return f"{self.node}/{','.join(map(str, self.numa))}"
+
+
+@dataclass(frozen=True)
+class Placement:
+    index: int
+    slot: Slot
+    cpus: int                      # whole CPUs requested (= limit)
+    memory: int                    # bytes requested (= limit)
+    rank_cpus: tuple[tuple[int, ...], ...] = ()  # pinning Engine: each rank's CPU list
+    arch: str = "amd64"
+
+
+@dataclass
+class Plan:
+    placements: list[Placement]
+    unplaced: int = 0
+    reason: str = ""               # why replicas are missing (a condition's message)
+    reason_code: str = ""
+
+
+def pod_memory(spec: ServerSpec) -> int:
+    return int((spec.size_gib + spec.kv_cache_gib * spec.ranks + spec.overhead_gib) * GiB)
+
+
+def rank_memory(spec: ServerSpec) -> float:
+    """GiB one rank needs on its NUMA node."""
+    return spec.size_gib / spec.ranks + spec.kv_cache_gib + spec.overhead_gib / spec.ranks
+
+
+def eligible(node: Node, spec: ServerSpec) -> str | None:
+    """None if the node may host this server, else why not."""
+    if not node.ready:
+        return "not Ready"
+    if not node.schedulable:
+        return "cordoned"
+    missing = [f for f in spec.required_isa if f not in node.isa]
+    if missing:
+        return f"lacks ISA {', '.join(missing)}"
+    for k, v in spec.node_selector.items():
+        if node.labels.get(k) != v:
+            return f"label {k}!={v}"
+    if spec.pinning == "Engine" and not node.known_topology:
+        return "no published topology (pinning Engine needs CPU lists)"
+    return None
+
+
+def node_slots(node: Node, spec: ServerSpec) -> list[Slot]:
+    ids = [n.id for n in node.numa]
+    k = spec.ranks
+    return [Slot(node.name, tuple(ids[i:i + k])) for i in range(0, len(ids) - k + 1, k)]
+
+
+def slot_resources(node: Node, slot: Slot, spec: ServerSpec) -> tuple[int, tuple[tuple[int, ...], ...]]:
+    """(whole CPUs for the pod, per-rank CPU lists for pinning Engine)."""
+    cpus, lists = 0, []
+    for nid in slot.numa:
+        n = next(x for x in node.numa if x.id == nid)
+        keep = max(0, len(n.cpus) - spec.reserved_cpus * n.threads_per_core)
+        cpus += keep
+        cores = n.physical_cores
+        lists.append(tuple(cores[:max(0, len(cores) - spec.reserved_cpus)]))
+    return cpus, tuple(lists)
+
+
+def plan(spec: ServerSpec, nodes: list[Node], taken: dict[str, str] | None = None,
+         current: dict[int, Slot] | None = None) -> Plan:
+    """Places replicas 0..replicas-1. `current` keeps each existing replica's slot
+    where it is still valid (no churn); `taken` maps slot keys held by *other*
+    servers' pods (pinning Engine never gives one NUMA slot to two pods).
+    Slots are filled spreading over machines first, in name order."""
+    taken = taken or {}
+    current = current or {}
+    by_name = {n.name: n for n in nodes}
+    need = rank_memory(spec) * GiB
+    too_small: list[str] = []
+    no_cpu: list[str] = []
+    ineligible: list[str] = []
+    candidates: list[list[Slot]] = []
+    for node in sorted(nodes, key=lambda n: n.name):
+        why = eligible(node, spec)
+        if why:
+            ineligible.append(f"{node.name}: {why}")
+            continue
+        ok = []
+        for slot in node_slots(node, spec):
+            mem = min(next(x for x in node.numa if x.id == i).memory for i in slot.numa)
+            if mem < need:
+                too_small.append(f"{node.name} NUMA {','.join(map(str, slot.numa))} has {mem / GiB:.1f} GiB")
+                continue
+            cpus, lists = slot_resources(node, slot, spec)
+            if cpus < 1 or (spec.pinning == "Engine" and min(len(x) for x in lists) < 1):
+                no_cpu.append(f"{node.name} NUMA {','.join(map(str, slot.numa))}")
+                continue
+            if spec.pinning == "Engine" and slot.key in taken and taken[slot.key] != spec.name:
+                continue
+            ok.append(slot)
+        if ok:
+            candidates.append(ok)
+    # keep valid current placements, then fill the rest round-robin over machines
+    valid = {s.key for group in candidates for s in group}
+    placed: dict[int, Slot] = {i: s for i, s in current.items() if i < spec.replicas and s.key in valid}
+    used = {s.key for s in placed.values()}
+    order: list[Slot] = []
+    for depth in range(max((len(g) for g in candidates), default=0)):
+        order.extend(g[depth] for g in candidates if depth < len(g))
+    free = [s for s in order if s.key not in used]
+    for i in range(spec.replicas):
+        if i not in placed and free:
+            placed[i] = free.pop(0)
+    out = []
+    for i, slot in sorted(placed.items()):
+        node = by_name[slot.node]
+        cpus, lists = slot_resources(node, slot, spec)
+        out.append(Placement(i, slot, cpus, pod_memory(spec), lists if spec.pinning == "Engine" else (), node.arch))
+    missing = spec.replicas - len(out)
+    if not missing:
+        return Plan(out)
+    if too_small and not valid:
+        reason = (f"a rank needs {rank_memory(spec):.1f} GiB on its NUMA node (weights {spec.size_gib:g} GiB / "
+                  f"{spec.ranks} + KV {spec.kv_cache_gib:g} GiB + overhead), but " + "; ".join(too_small[:4]))
+        return Plan(out, missing, reason, "DoesNotFitNUMANode")
+    detail = []
+    if ineligible:
+        detail.append("ineligible nodes: " + "; ".join(ineligible[:4]))
+    if no_cpu:
+        detail.append(f"no CPU left after reservedCPUs={spec.reserved_cpus} on " + "; ".join(no_cpu[:4]))
+    if too_small:
+        detail.append("too little memory: " + "; ".join(too_small[:4]))
+    return Plan(out, missing, f"{missing} of {spec.replicas} replicas have no free NUMA slot"
+                + (f" ({'; '.join(detail)})" if detail else ""), "InsufficientNUMASlots")

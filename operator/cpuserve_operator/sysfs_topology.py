@@ -1,0 +1,1 @@
+../../engine/cpuserve/topology.py

@@ -1,0 +1,156 @@
+"""A real control plane on loopback for the operator tests, the envtest way:
+etcd, kube-apiserver and kube-controller-manager (garbage collection) from
+KUBEBUILDER_ASSETS (`make envtest` builds them), a kubeconfig with an admin
+token, and kubectl. No kubelets: the tests create Node objects with NUMA
+topology and advance pod status themselves."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ASSETS = os.environ.get("KUBEBUILDER_ASSETS")
+NEEDED = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl")
+
+
+def pytest_report_header(config):
+    if ASSETS and Path(ASSETS, "kube-apiserver").exists():
+        out = subprocess.run([str(Path(ASSETS, "kube-apiserver")), "--version"], capture_output=True, text=True)
+        return f"envtest: {out.stdout.strip()} from KUBEBUILDER_ASSETS={ASSETS}"
+    return "envtest: KUBEBUILDER_ASSETS not set (run `make test-operator`)"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(check, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            result = check()
+            if result:
+                return result
+        except RuntimeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - retried until the deadline
+            last = e
+        time.sleep(interval)
+    raise TimeoutError(f"{what} did not happen within {timeout:.0f}s (last error: {last})")
+
+
+class ControlPlane:
+    def __init__(self, assets: Path):
+        self.assets = assets
+        self.dir = Path(tempfile.mkdtemp(prefix="cpuserve-envtest-"))
+        self.procs: list[subprocess.Popen] = []
+        self.logs: dict[str, Path] = {}
+        token = os.urandom(16).hex()
+        (self.dir / "tokens.csv").write_text(f'{token},admin,admin,"system:masters"\n')
+        subprocess.run(["openssl", "genrsa", "-out", str(self.dir / "sa.key"), "2048"], check=True,
+                       capture_output=True)
+        subprocess.run(["openssl", "rsa", "-in", str(self.dir / "sa.key"), "-pubout", "-out",
+                        str(self.dir / "sa.pub")], check=True, capture_output=True)
+        etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
+        self.start("etcd", [str(assets / "etcd"), "--data-dir", str(self.dir / "etcd"),
+                            "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
+                            "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
+                            "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+                            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+                            "--initial-cluster", f"default=http://127.0.0.1:{peer_port}",
+                            "--unsafe-no-fsync"])
+        self.start("kube-apiserver", [
+            str(assets / "kube-apiserver"), "--etcd-servers", f"http://127.0.0.1:{etcd_port}",
+            "--bind-address", "127.0.0.1", "--secure-port", str(api_port), "--cert-dir", str(self.dir / "certs"),
+            "--token-auth-file", str(self.dir / "tokens.csv"), "--authorization-mode", "RBAC",
+            "--service-account-issuer", "https://kubernetes.default.svc",
+            "--service-account-key-file", str(self.dir / "sa.pub"),
+            "--service-account-signing-key-file", str(self.dir / "sa.key"),
+            "--service-cluster-ip-range", "10.96.0.0/16", "--disable-admission-plugins", "ServiceAccount",
+            "--allow-privileged=true"])
+        self.server = f"https://127.0.0.1:{api_port}"
+        self.kubeconfig = self.dir / "kubeconfig"
+        self.kubeconfig.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "envtest",
+            "clusters": [{"name": "envtest", "cluster": {"server": self.server, "insecure-skip-tls-verify": True}}],
+            "users": [{"name": "admin", "user": {"token": token}}],
+            "contexts": [{"name": "envtest", "context": {"cluster": "envtest", "user": "admin",
+                                                        "namespace": "default"}}]}))
+        self.wait_ready(lambda: self.kubectl("get", "--raw", "/readyz", check=False).returncode == 0,
+                        "kube-apiserver ready")
+        self.start("kube-controller-manager", [
+            str(assets / "kube-controller-manager"), "--kubeconfig", str(self.kubeconfig),
+            "--authentication-kubeconfig", str(self.kubeconfig), "--authorization-kubeconfig", str(self.kubeconfig),
+            "--controllers", "garbagecollector,namespace,serviceaccount-token",
+            "--service-account-private-key-file", str(self.dir / "sa.key"), "--leader-elect=false",
+            "--bind-address", "127.0.0.1", "--secure-port", str(free_port())])
+        self.version = json.loads(self.kubectl("version", "-o", "json").stdout)["serverVersion"]["gitVersion"]
+
+    def wait_ready(self, check, what: str, timeout: float = 180) -> None:
+        def alive_and(check=check):
+            for name, p in zip(self.logs, self.procs):
+                if p.poll() is not None:
+                    raise RuntimeError(f"{name} exited ({p.returncode}):\n{self.tail(name)}")
+            return check()
+        try:
+            wait_for(alive_and, timeout, what)
+        except (TimeoutError, RuntimeError) as e:
+            self.stop(keep=True)
+            raise RuntimeError(f"{e}\n--- kube-apiserver log:\n{self.tail('kube-apiserver')}") from None
+
+    def tail(self, name: str, n: int = 30) -> str:
+        lines = self.logs[name].read_text(errors="replace").splitlines()
+        return "\n".join(ln[:300] for ln in lines[-n:])
+
+    def start(self, name: str, cmd: list[str]) -> None:
+        log = self.dir / f"{name}.log"
+        self.logs[name] = log
+        self.procs.append(subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT))
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        r = subprocess.run([str(self.assets / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args],
+                           input=input, capture_output=True, text=True, timeout=120)
+        if check and r.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed: {r.stderr}")
+        return r
+
+    def get(self, *args: str):
+        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+
+    def stop(self, keep: bool = False) -> None:
+        for p in reversed(self.procs):
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if not keep:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    if not ASSETS or not all(Path(ASSETS, b).exists() for b in NEEDED):
+        msg = f"envtest binaries missing in KUBEBUILDER_ASSETS={ASSETS!r}: run `make test-operator` (or `make envtest`)"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    cp = ControlPlane(Path(ASSETS))
+    try:
+        cp.kubectl("apply", "-f", str(ROOT / "crds" / "cpumodelserver.yaml"))
+        cp.kubectl("wait", "--for=condition=Established", "crd/cpumodelservers.cpuserve.dev", "--timeout=60s")
+        yield cp
+    finally:
+        cp.stop()

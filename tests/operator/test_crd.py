@@ -1,0 +1,55 @@
+"""The CRD on a real API server: defaults, printer columns, the scale
+subresource, and invalid CRs refused by the server with a clear message."""
+import json
+
+import pytest
+
+CR = """
+apiVersion: cpuserve.dev/v1alpha1
+kind: CPUModelServer
+metadata: {name: %(name)s}
+spec:
+  model: {source: "packaged://smollm2", servedName: smollm2}
+%(extra)s
+"""
+
+
+def apply(cluster, name, extra="", check=True):
+    return cluster.kubectl("apply", "-f", "-", input=CR % {"name": name, "extra": extra}, check=check)
+
+
+def test_defaults_columns_and_scale(cluster):
+    apply(cluster, "crd-defaults")
+    obj = cluster.get("cms", "crd-defaults")
+    spec = obj["spec"]
+    assert spec["replicas"] == 1 and spec["engine"]["dtype"] == "auto" and spec["engine"]["kvCacheGiB"] == 4
+    assert spec["placement"] == {"strategy": "PerNUMANode", "tensorParallelSize": 1, "reservedCPUs": 1,
+                                 "pinning": "Kubelet", "requiredISA": []}
+    assert spec["seccompProfile"] == {"type": "Unconfined"} and spec["service"]["port"] == 8000
+    table = cluster.kubectl("get", "cms", "crd-defaults").stdout.splitlines()[0].split()
+    assert table == ["NAME", "MODEL", "PHASE", "READY", "ENDPOINT", "AGE"]
+    cluster.kubectl("scale", "cms/crd-defaults", "--replicas=3")
+    assert cluster.get("cms", "crd-defaults")["spec"]["replicas"] == 3
+    cluster.kubectl("delete", "cms", "crd-defaults")
+
+
+@pytest.mark.parametrize("extra,message", [
+    ("  placement: {tensorParallelSize: 2}", "needs placement.strategy TensorParallel"),
+    ("  placement: {strategy: TensorParallel}", "needs placement.tensorParallelSize >= 2"),
+    ("  placement: {pinning: Engine, reservedCPUs: 0}", "pinning Engine needs placement.reservedCPUs >= 1"),
+    ("  seccompProfile: {type: Localhost}", "localhostProfile is required with type Localhost"),
+    ("  ingress: {enabled: true, tls: true}", "ingress.tls needs ingress.host"),
+    ("  replicas: -1", "spec.replicas"),
+    ("  engine: {dtype: int4}", "Unsupported value: \"int4\""),
+    ("  placement: {strategy: Sideways}", "Unsupported value: \"Sideways\""),
+])
+def test_invalid_crs_are_refused_by_the_api_server(cluster, extra, message):
+    r = apply(cluster, "crd-invalid", extra, check=False)
+    assert r.returncode != 0 and message in r.stderr, r.stderr
+
+
+def test_bad_model_source_refused(cluster):
+    r = cluster.kubectl("apply", "-f", "-", check=False, input=json.dumps({
+        "apiVersion": "cpuserve.dev/v1alpha1", "kind": "CPUModelServer", "metadata": {"name": "crd-src"},
+        "spec": {"model": {"source": "s3://bucket/model"}}}))
+    assert r.returncode != 0 and "spec.model.source" in r.stderr

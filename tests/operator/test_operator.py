@@ -1,0 +1,205 @@
+"""The operator as a real process against the real API server. Nodes are Node
+objects with published NUMA topology; the test plays the kubelet: it marks pods
+Ready, rejects one (OutOfcpu), and finishes terminations."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import free_port, wait_for
+
+NS = "default"
+
+
+def topology(numa=2, cpus=8, mem_gib=16, smt=2):
+    nodes = []
+    for i in range(numa):
+        first = list(range(i * cpus // smt, (i + 1) * cpus // smt))
+        sib = [c + numa * cpus // smt for c in first]
+        nodes.append({"id": i, "cpus": ",".join(map(str, first + sib)), "memory": mem_gib << 30})
+    return {"numaNodes": nodes, "threadsPerCore": smt}
+
+
+def add_node(cluster, name, **kw):
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name, "labels": {"kubernetes.io/arch": "amd64", "kubernetes.io/hostname": name},
+                     "annotations": {"cpuserve.dev/topology": json.dumps(topology(**kw))}}}))
+    cluster.kubectl("patch", "node", name, "--subresource=status", "--type=merge", "-p", json.dumps({"status": {
+        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "simulated"}],
+        "allocatable": {"cpu": "16", "memory": "32Gi", "pods": "110"},
+        "capacity": {"cpu": "16", "memory": "32Gi", "pods": "110"}}}))
+
+
+def pods(cluster, name="llm"):
+    items = cluster.get("pods", "-n", NS, "-l", f"cpuserve.dev/server={name}")["items"]
+    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+
+def kubelet(cluster, ready=True, name="llm"):
+    """What kubelets would do: finish terminations, report new pods Running and Ready."""
+    for p in cluster.get("pods", "-n", NS, "-l", f"cpuserve.dev/server={name}")["items"]:
+        if p["metadata"].get("deletionTimestamp"):
+            cluster.kubectl("delete", "pod", "-n", NS, p["metadata"]["name"], "--grace-period=0", "--force",
+                            "--wait=false", check=False)
+        elif ready and p.get("status", {}).get("phase") != "Running":
+            set_status(cluster, p["metadata"]["name"], {
+                "phase": "Running", "podIP": "10.1.0.1",
+                "conditions": [{"type": "Ready", "status": "True"}, {"type": "ContainersReady", "status": "True"}]})
+
+
+def set_status(cluster, pod, status):
+    cluster.kubectl("patch", "pod", "-n", NS, pod, "--subresource=status", "--type=merge",
+                    "-p", json.dumps({"status": status}))
+
+
+def cms(cluster, name="llm"):
+    return cluster.get("cms", "-n", NS, name)
+
+
+def condition(obj, type_):
+    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == type_), {})
+
+
+@pytest.fixture(scope="module")
+def operator(cluster):
+    log = open(cluster.dir / "operator.log", "w")
+    env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig), CPUSERVE_OPERATOR_RESYNC="1")
+    proc = subprocess.Popen([sys.executable, "-m", "cpuserve_operator.main", "--standalone", "--namespace", NS,
+                             "--liveness", f"http://127.0.0.1:{free_port()}/healthz"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    yield proc
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    text = (cluster.dir / "operator.log").read_text()
+    (cluster.dir.parent / "cpuserve-operator-test.log").write_text(text)  # kept for a failed run
+    print(text[-5000:])
+
+
+def test_lifecycle(cluster, operator):
+    add_node(cluster, "node-a")
+    add_node(cluster, "node-b")
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "cpuserve.dev/v1alpha1", "kind": "CPUModelServer", "metadata": {"name": "llm", "namespace": NS},
+        "spec": {"model": {"source": "packaged://smollm2", "servedName": "smollm2", "sizeGiB": 1},
+                 "engine": {"kvCacheGiB": 2}, "replicas": 3,
+                 "ingress": {"enabled": True, "host": "llm.example.com"}}}))
+
+    # pods placed one per NUMA node, spreading over machines, Guaranteed, pinned, probed
+    got = wait_for(lambda: len(pods(cluster)) == 3 and pods(cluster), 60, "3 pods")
+    by_replica = {p["metadata"]["labels"]["cpuserve.dev/replica"]: p for p in got}
+    assert [by_replica[i]["spec"]["nodeName"] for i in "012"] == ["node-a", "node-b", "node-a"]
+    assert [by_replica[i]["metadata"]["annotations"]["cpuserve.dev/slot"] for i in "012"] == \
+        ["node-a/0", "node-b/0", "node-a/1"]
+    c = by_replica["0"]["spec"]["containers"][0]
+    assert c["resources"]["requests"] == c["resources"]["limits"] == {"cpu": "6", "memory": str(4 << 30)}
+    assert by_replica["0"]["status"]["qosClass"] == "Guaranteed"
+    owner = by_replica["0"]["metadata"]["ownerReferences"][0]
+    assert owner["kind"] == "CPUModelServer" and owner["controller"] is True
+    svc = wait_for(lambda: cluster.get("svc", "-n", NS, "llm"), 30, "service")
+    assert svc["spec"]["selector"] == {"cpuserve.dev/server": "llm"}
+    ing = wait_for(lambda: cluster.get("ingress", "-n", NS, "llm"), 30, "ingress")
+    assert ing["spec"]["rules"][0]["host"] == "llm.example.com"
+    wait_for(lambda: cms(cluster).get("status", {}).get("phase") == "Loading", 30, "phase Loading")
+    assert cms(cluster)["status"]["readyText"] == "0/3"
+
+    # the kubelet reports them Ready: the server is Ready and `kubectl wait` works
+    kubelet(cluster)
+    cluster.kubectl("wait", "--for=condition=Ready", "cms/llm", "-n", NS, "--timeout=60s")
+    st = cms(cluster)["status"]
+    assert st["phase"] == "Ready" and st["readyReplicas"] == 3 and st["endpoint"] == "http://llm.example.com/v1"
+    assert {p["node"] for p in st["placements"]} == {"node-a", "node-b"}
+    table = cluster.kubectl("get", "cms", "llm", "-n", NS).stdout
+    assert "Ready" in table and "3/3" in table
+
+    # a spec change rolls the pods one at a time
+    old_hash = st["specHash"]
+    cluster.kubectl("patch", "cms", "llm", "-n", NS, "--type=merge", "-p", '{"spec":{"engine":{"dtype":"bfloat16"}}}')
+    most_starting = 0
+
+    def rolled():
+        nonlocal most_starting
+        ps = pods(cluster)
+        new = [p for p in ps if p["metadata"]["labels"]["cpuserve.dev/spec-hash"] != old_hash]
+        starting = [p for p in new if p.get("status", {}).get("phase") != "Running"]
+        most_starting = max(most_starting, len(starting))
+        kubelet(cluster)
+        s = cms(cluster).get("status", {})
+        return len(new) == 3 and len(ps) == 3 and s.get("phase") == "Ready" and s.get("specHash") != old_hash
+    wait_for(rolled, 120, "rolling update", interval=0.5)
+    assert most_starting == 1
+    for p in pods(cluster):
+        env = {e["name"]: e["value"] for e in p["spec"]["containers"][0]["env"]}
+        assert "--dtype" in p["spec"]["containers"][0]["args"] and env["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+
+    # the kubelet rejects a pod: reported, replaced (after a backoff, not in a hot loop)
+    victim = sorted(pods(cluster), key=lambda p: p["metadata"]["name"])[0]["metadata"]["name"]
+    set_status(cluster, victim, {"phase": "Failed", "reason": "OutOfcpu",
+                                 "message": "Pod was rejected: Node didn't have enough resource: cpu",
+                                 "conditions": [{"type": "Ready", "status": "False"}]})
+    wait_for(lambda: "OutOfcpu" in condition(cms(cluster), "Degraded").get("message", ""), 30, "Degraded: OutOfcpu")
+
+    def replaced():
+        kubelet(cluster)
+        return cms(cluster)["status"]["phase"] == "Ready" and len(pods(cluster)) == 3
+    wait_for(replaced, 60, "replacement Ready", interval=0.5)
+
+    # a node goes away: its replica is re-placed; with too few slots left, Degraded says why
+    cluster.kubectl("delete", "node", "node-b")
+
+    def degraded():
+        kubelet(cluster)
+        s = cms(cluster)["status"]
+        return s["phase"] == "Degraded" and "InsufficientNUMASlots" == condition(cms(cluster), "Ready")["reason"]
+    wait_for(degraded, 60, "Degraded after node loss", interval=0.5)
+    assert all(p["spec"]["nodeName"] == "node-a" for p in pods(cluster))
+    cluster.kubectl("scale", "cms/llm", "-n", NS, "--replicas=2")
+
+    def two_ready():
+        kubelet(cluster)
+        return cms(cluster)["status"]["phase"] == "Ready" and len(pods(cluster)) == 2
+    wait_for(two_ready, 60, "Ready at 2 replicas", interval=0.5)
+
+    # a size no NUMA node can hold: refused with a condition that says so
+    cluster.kubectl("patch", "cms", "llm", "-n", NS, "--type=merge", "-p", '{"spec":{"engine":{"kvCacheGiB":100}}}')
+    wait_for(lambda: condition(cms(cluster), "Ready").get("reason") == "DoesNotFitNUMANode", 30, "DoesNotFitNUMANode")
+    msg = condition(cms(cluster), "Ready")["message"]
+    assert "102.0 GiB" in msg and "16.0 GiB" in msg and cms(cluster)["status"]["phase"] == "Failed"
+
+    # deletion: everything it owns is garbage collected
+    cluster.kubectl("delete", "cms", "llm", "-n", NS, "--wait=false")
+    wait_for(lambda: cluster.kubectl("get", "svc", "llm", "-n", NS, check=False).returncode != 0, 60, "service GC")
+    wait_for(lambda: cluster.kubectl("get", "ingress", "llm", "-n", NS, check=False).returncode != 0, 60, "ingress GC")
+
+    def pods_gone():
+        kubelet(cluster, ready=False)
+        return not cluster.get("pods", "-n", NS, "-l", "cpuserve.dev/server=llm")["items"]
+    wait_for(pods_gone, 60, "pods GC")
+
+
+def test_generated_objects_pass_server_side_validation(cluster):
+    """Every builder's output, strictly validated by the API server (dry run)."""
+    from cpuserve_operator import builders as b
+    from cpuserve_operator.placement import parse_spec, plan
+    from test_placement import machine
+
+    cr = {"metadata": {"name": "dry", "namespace": NS, "uid": "00000000-0000-0000-0000-000000000001"}}
+    for raw in ({"model": {"source": "pvc://weights/m"}, "placement": {"pinning": "Engine"},
+                 "seccompProfile": {"type": "Localhost", "localhostProfile": "cpuserve/numa.json"},
+                 "ingress": {"enabled": True, "host": "x.example.com", "tls": True, "className": "nginx"}},
+                {"model": {"source": "packaged://smollm2"}, "placement": {"strategy": "TensorParallel",
+                                                                         "tensorParallelSize": 2}}):
+        spec = parse_spec("dry", raw)
+        (pl,) = plan(spec, [machine("n")]).placements
+        for obj in (b.build_pod(cr, spec, pl), b.build_service(cr, spec), b.build_ingress(cr, spec)):
+            if obj is None:
+                continue
+            r = cluster.kubectl("create", "--dry-run=server", "--validate=strict", "-f", "-", input=json.dumps(obj),
+                                check=False)
+            assert r.returncode == 0, f"{obj['kind']}: {r.stderr}"

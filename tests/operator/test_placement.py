@@ -1,0 +1,184 @@
+"""The placement plan and the object builders, on many cluster shapes (pure)."""
+import json
+
+import pytest
+
+from cpuserve_operator import builders as b
+from cpuserve_operator.placement import GiB, Node, NumaNode, Slot, node_from_api, parse_spec, plan
+
+
+def machine(name, numa=2, cpus_per_numa=16, mem_gib=64, smt=2, isa=(), labels=None, ready=True, arch="amd64"):
+    nodes = []
+    for i in range(numa):
+        first = list(range(i * cpus_per_numa // smt, (i + 1) * cpus_per_numa // smt))
+        cpus = first + [c + numa * cpus_per_numa // smt for c in first] if smt == 2 else first
+        nodes.append(NumaNode(i, tuple(cpus), mem_gib * GiB, smt))
+    return Node(name, arch, tuple(nodes), frozenset(isa), labels or {}, ready)
+
+
+def spec(**kw):
+    s = {"model": {"source": "packaged://smollm2", "servedName": "smollm2", "sizeGiB": 1},
+         "engine": {"kvCacheGiB": 4}, "replicas": 1}
+    for k, v in kw.items():
+        section, _, key = k.partition("__")
+        if key:
+            s.setdefault(section, {})[key] = v
+        else:
+            s[section] = v
+    return parse_spec("llm", s)
+
+
+def test_per_numa_node_spreads_over_machines_first():
+    p = plan(spec(replicas=3), [machine("b"), machine("a")])
+    assert [pl.slot.key for pl in p.placements] == ["a/0", "b/0", "a/1"]
+    pl = p.placements[0]
+    assert pl.cpus == 16 - 1 * 2  # the NUMA node's 16 CPUs minus one reserved core (2 threads)
+    assert pl.memory == (1 + 4 + 1) * GiB and p.unplaced == 0
+
+
+def test_more_replicas_than_slots_reports_what_is_missing():
+    p = plan(spec(replicas=5), [machine("a"), machine("b")])
+    assert len(p.placements) == 4 and p.unplaced == 1
+    assert p.reason_code == "InsufficientNUMASlots" and "1 of 5 replicas" in p.reason
+
+
+def test_tensor_parallel_takes_numa_nodes_of_one_machine():
+    s = spec(placement__strategy="TensorParallel", placement__tensorParallelSize=2, replicas=3)
+    p = plan(s, [machine("a", numa=4), machine("b", numa=2)])
+    assert [pl.slot.key for pl in p.placements] == ["a/0,1", "b/0,1", "a/2,3"]
+    assert p.placements[0].cpus == 2 * (16 - 2) and p.placements[0].memory == (1 + 2 * 4 + 1) * GiB
+    single = plan(s, [machine("c", numa=1)])
+    assert single.placements == [] and single.unplaced == 3
+
+
+def test_refuses_what_cannot_fit_a_numa_node():
+    p = plan(spec(engine__kvCacheGiB=100), [machine("a", mem_gib=32)])
+    assert p.placements == [] and p.reason_code == "DoesNotFitNUMANode"
+    assert "102.0 GiB" in p.reason and "32.0 GiB" in p.reason
+
+
+def test_eligibility_isa_selector_readiness():
+    nodes = [machine("plain"), machine("amx", isa={"amx_bf16", "avx512f"}, labels={"pool": "llm"}),
+             machine("down", isa={"amx_bf16"}, ready=False)]
+    p = plan(spec(placement__requiredISA=["amx_bf16"], replicas=2), nodes)
+    assert {pl.slot.node for pl in p.placements} == {"amx"}
+    p = plan(spec(placement__nodeSelector={"pool": "llm"}, replicas=4), nodes)
+    assert len(p.placements) == 2 and p.unplaced == 2 and "plain: label pool!=llm" in p.reason
+    assert "down: not Ready" in p.reason
+
+
+def test_engine_pinning_lists_and_exclusive_slots():
+    s = spec(placement__pinning="Engine", replicas=2)
+    p = plan(s, [machine("a")], taken={"a/0": "other-server"})
+    assert [pl.slot.key for pl in p.placements] == ["a/1"] and p.unplaced == 1
+    (pl,) = p.placements
+    assert pl.rank_cpus == (tuple(range(8, 15)),)  # NUMA 1's first threads 8-15, the last core reserved
+    unknown = Node("bare", "amd64", (NumaNode(0, tuple(range(8)), 64 * GiB),), known_topology=False)
+    p = plan(s, [unknown])
+    assert p.placements == [] and "no published topology" in p.reason
+    assert plan(spec(replicas=1), [unknown]).placements[0].cpus == 7  # Kubelet pinning: counts suffice
+
+
+def test_existing_replicas_stay_where_they_are():
+    nodes = [machine("a"), machine("b")]
+    first = plan(spec(replicas=2), nodes)
+    current = {pl.index: pl.slot for pl in first.placements}
+    current[1] = Slot("b", (1,))  # replica 1 was placed elsewhere earlier: keep it
+    again = plan(spec(replicas=3), nodes, current=current)
+    assert {pl.index: pl.slot.key for pl in again.placements} == {0: "a/0", 1: "b/1", 2: "b/0"}
+    gone = plan(spec(replicas=2), [machine("a")], current=current)  # node b lost: replica 1 re-placed
+    assert {pl.index: pl.slot.key for pl in gone.placements} == {0: "a/0", 1: "a/1"}
+    assert plan(spec(replicas=0), nodes).placements == []
+
+
+def test_spec_hash_tracks_what_the_pods_are_made_of():
+    base = spec().hash()
+    assert spec(replicas=7).hash() == base and spec(service__port=9000).hash() != base
+    assert spec(engine__dtype="bfloat16").hash() != base
+    assert spec(ingress__enabled=True).hash() == base
+
+
+def test_node_topology_from_api_objects():
+    ann = {"numaNodes": [{"id": 1, "cpus": "8-15", "memory": 32 * GiB}, {"id": 0, "cpus": "0-7", "memory": 32 * GiB}],
+           "threadsPerCore": 2}
+    node = {"metadata": {"name": "n1", "labels": {"kubernetes.io/arch": "arm64", "cpuserve.dev/isa.sve": "true",
+                                                  "feature.node.kubernetes.io/cpu-cpuid.ASIMD": "true"},
+                         "annotations": {"cpuserve.dev/topology": json.dumps(ann)}},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+    n = node_from_api(node)
+    assert n.arch == "arm64" and [x.id for x in n.numa] == [0, 1] and n.numa[1].cpus == tuple(range(8, 16))
+    assert n.isa == {"sve", "asimd"} and n.ready and n.known_topology
+    nrt = {"zones": [{"name": "node-0", "type": "Node", "resources": [{"name": "cpu", "capacity": "24"},
+                                                                       {"name": "memory", "capacity": "96Gi"}]},
+                     {"name": "node-1", "type": "Node", "resources": [{"name": "cpu", "capacity": "24"},
+                                                                       {"name": "memory", "capacity": "96Gi"}]}]}
+    bare = {"metadata": {"name": "n2"}, "spec": {"unschedulable": True},
+            "status": {"allocatable": {"cpu": "4", "memory": "16Gi"}, "conditions": []}}
+    m = node_from_api(bare, nrt)
+    assert [len(x.cpus) for x in m.numa] == [24, 24] and m.numa[0].memory == 96 * GiB
+    assert not m.ready and not m.schedulable
+    f = node_from_api(bare)
+    assert not f.known_topology and len(f.numa[0].cpus) == 4 and f.numa[0].memory == 16 * GiB
+
+
+# -- builders ----------------------------------------------------------------------------
+CR = {"metadata": {"name": "llm", "namespace": "ml", "uid": "1234"}}
+
+
+def test_pod_is_guaranteed_pinned_and_probed():
+    s = spec(placement__pinning="Engine", engine__extraArgs=["--block-size", "64"])
+    (pl,) = plan(s, [machine("a")]).placements
+    pod = b.build_pod(CR, s, pl)
+    c = pod["spec"]["containers"][0]
+    assert pod["metadata"]["name"] == f"llm-{s.hash()[:6]}-0" == b.pod_name(s, 0)
+    assert c["resources"]["requests"] == c["resources"]["limits"] == {"cpu": "14", "memory": str(6 * GiB)}
+    assert c["securityContext"]["capabilities"]["add"] == ["SYS_NICE"]
+    assert pod["spec"]["securityContext"]["seccompProfile"] == {"type": "Unconfined"}
+    assert pod["spec"]["nodeName"] == "a" and pod["spec"]["nodeSelector"] == {"kubernetes.io/arch": "amd64"}
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2,3,4,5,6" and env["CPU_VISIBLE_MEMORY_NODES"] == "0"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "4" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    shm = next(v for v in pod["spec"]["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["path"] == "/health"
+    assert c["command"] == ["cpuserve"] and c["args"][-2:] == ["--block-size", "64"]
+    assert pod["metadata"]["ownerReferences"][0]["uid"] == "1234"
+    assert pod["metadata"]["labels"][b.L_HASH] == s.hash()
+
+
+def test_kubelet_pinning_and_tensor_parallel_env():
+    s = spec(placement__strategy="TensorParallel", placement__tensorParallelSize=2,
+             seccompProfile={"type": "Localhost", "localhostProfile": "cpuserve/numa.json"},
+             model={"source": "pvc://weights/llama/8b", "servedName": "llama"})
+    (pl,) = plan(s, [machine("a")]).placements
+    pod = b.build_pod(CR, s, pl)
+    c = pod["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "auto" and "CPU_VISIBLE_MEMORY_NODES" not in env
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    assert c["args"][:2] == ["serve", "/models/weights/llama/8b"] and "--tensor-parallel-size" in c["args"]
+    assert pod["spec"]["securityContext"]["seccompProfile"] == {"type": "Localhost",
+                                                                "localhostProfile": "cpuserve/numa.json"}
+    claim = next(v for v in pod["spec"]["volumes"] if v["name"] == "model")
+    assert claim["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+
+
+def test_service_and_ingress():
+    s = spec()
+    svc = b.build_service(CR, s)
+    assert svc["spec"]["selector"] == {b.L_SERVER: "llm"} and svc["spec"]["ports"][0]["port"] == 8000
+    assert b.build_ingress(CR, s) is None
+    assert b.endpoint(CR, s) == "http://llm.ml.svc:8000/v1"
+    s = spec(ingress={"enabled": True, "host": "llm.example.com", "className": "nginx", "tls": True})
+    ing = b.build_ingress(CR, s)
+    assert ing["spec"]["ingressClassName"] == "nginx" and ing["spec"]["tls"][0]["hosts"] == ["llm.example.com"]
+    assert ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"] == {"name": "llm",
+                                                                               "port": {"number": 8000}}
+    assert b.endpoint(CR, s) == "https://llm.example.com/v1"
+
+
+@pytest.mark.parametrize("source,arg", [("packaged://smollm2", None), ("file:///srv/m.gguf", "/srv/m.gguf")])
+def test_engine_args_per_source(source, arg):
+    args = b.engine_args(spec(model={"source": source, "servedName": "m"}))
+    assert args[0] == "serve" and (args[1] == arg if arg else args[1] == "--host")

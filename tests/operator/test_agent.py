@@ -1,0 +1,44 @@
+"""The node agent: /sys trees into labels and an annotation the planner reads
+back, and publishing them on a Node of the real API server."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from cpuserve_operator.agent import describe
+from cpuserve_operator.placement import node_from_api, parse_spec, plan
+
+TREES = Path(__file__).resolve().parents[1] / "platform" / "trees"
+
+
+def test_recorded_machines_round_trip_into_the_planner():
+    labels, ann = describe(str(TREES / "xeon_2s_snc2_smt"))
+    assert labels["cpuserve.dev/numa-nodes"] == "4" and labels["cpuserve.dev/smt"] == "true"
+    assert labels["cpuserve.dev/isa.amx_bf16"] == "true"
+    node = node_from_api({"metadata": {"name": "xeon", "labels": {**labels, "kubernetes.io/arch": "amd64"},
+                                       "annotations": ann},
+                          "status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+    assert [n.cpus for n in node.numa][0] == (0, 1, 2, 3, 16, 17, 18, 19) and node.numa[0].threads_per_core == 2
+    spec = parse_spec("x", {"model": {"source": "packaged://m"}, "replicas": 4, "engine": {"kvCacheGiB": 8},
+                            "placement": {"pinning": "Engine", "requiredISA": ["amx_bf16"]}})
+    p = plan(spec, [node])
+    assert len(p.placements) == 4 and p.placements[1].rank_cpus == ((4, 5, 6),)  # first threads, one reserved
+    assert p.placements[0].cpus == 8 - 2
+    arm_labels, _ = describe(str(TREES / "arm64_2node_nosmt"))
+    assert arm_labels["cpuserve.dev/smt"] == "false" and arm_labels["cpuserve.dev/isa.asimd"] == "true"
+
+
+def test_agent_publishes_on_a_node(cluster):
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "Node",
+                                                          "metadata": {"name": "agent-node"}}))
+    env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig))
+    r = subprocess.run([sys.executable, "-m", "cpuserve_operator.agent", "--node-name", "agent-node", "--once",
+                        "--root", str(TREES / "arm64_2node_nosmt")], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    node = cluster.get("node", "agent-node")
+    assert node["metadata"]["labels"]["cpuserve.dev/numa-nodes"] == "2"
+    topo = json.loads(node["metadata"]["annotations"]["cpuserve.dev/topology"])
+    assert [n["cpus"] for n in topo["numaNodes"]] == ["0-7", "8-15"] and topo["arch"] == "aarch64"
+    cluster.kubectl("delete", "node", "agent-node")

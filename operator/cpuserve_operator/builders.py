@@ -92,7 +92,8 @@ def build_pod(cr: dict, spec: ServerSpec, p: Placement) -> dict:
             # The operator is the placer: it knows NUMA slots the scheduler does not. The
             # kubelet still admits the pod (and may reject it: OutOfcpu, TopologyAffinityError).
             "nodeName": p.slot.node,
-            "nodeSelector": {"kubernetes.io/arch": p.arch},
+            "nodeSelector": {"kubernetes.io/arch": p.arch,
+                             **{f"cpuserve.dev/isa.{flag}": "true" for flag in spec.required_isa}},
             "restartPolicy": "Always",
             "terminationGracePeriodSeconds": 30,
             "securityContext": {"seccompProfile": seccomp},

@@ -267,7 +267,7 @@ def plan(spec: ServerSpec, nodes: list[Node], taken: dict[str, str] | None = Non
             if cpus < 1 or (spec.pinning == "Engine" and min(len(x) for x in lists) < 1):
                 no_cpu.append(f"{node.name} NUMA {','.join(map(str, slot.numa))}")
                 continue
-            if spec.pinning == "Engine" and slot.key in taken and taken[slot.key] != spec.name:
+            if slot.key in taken:  # a pod takes its whole slot: never two pods on one NUMA slot
                 continue
             ok.append(slot)
         if ok:

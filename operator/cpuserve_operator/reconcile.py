@@ -100,15 +100,21 @@ def _reconcile(ns: str, name: str, api: client.ApiClient) -> None:
             alive.append(p)
     current = [p for p in alive if p.metadata.labels.get(b.L_HASH) == want_hash]
     old = [p for p in alive if p.metadata.labels.get(b.L_HASH) != want_hash]
-    slots: dict[int, Slot] = {}
-    for p in current + old:  # existing replicas keep their slot (new pods take over the old pod's)
-        idx = int(p.metadata.labels[b.L_REPLICA])
-        key = p.metadata.annotations.get(b.A_SLOT, "")
-        node, _, numa = key.partition("/")
-        if node and numa and idx not in slots:
-            slots[idx] = Slot(node, tuple(int(x) for x in numa.split(",")))
-    result = plan(spec, nodes, taken, slots)
+    def slots_of(group) -> dict[int, Slot]:
+        out: dict[int, Slot] = {}
+        for p in group:
+            node, _, numa = (p.metadata.annotations or {}).get(b.A_SLOT, "").partition("/")
+            if node and numa:
+                out.setdefault(int(p.metadata.labels[b.L_REPLICA]), Slot(node, tuple(int(x) for x in numa.split(","))))
+        return out
+
+    new_slots, old_slots = slots_of(current), slots_of(old)
+    # where every replica lives once rolled (an old pod's slot is reused when nothing else is free) ...
+    result = plan(spec, nodes, taken, {**old_slots, **new_slots})
+    # ... and where a replacement can start while the old pod still serves (surge by one)
+    surge = plan(spec, nodes, {**taken, **{s.key: "rolling" for s in old_slots.values()}}, new_slots)
     by_index = {pl.index: pl for pl in result.placements}
+    surge_by_index = {pl.index: pl for pl in surge.placements}
     cur_by_index = {int(p.metadata.labels[b.L_REPLICA]): p for p in current}
     old_by_index: dict[int, list] = {}
     for p in old:
@@ -139,8 +145,10 @@ def _reconcile(ns: str, name: str, api: client.ApiClient) -> None:
             if rolling_busy:
                 continue
             rolling_busy = True
-            if any(o.metadata.annotations.get(b.A_SLOT) == pl.slot.key for o in olds):
-                for o in olds:  # no spare slot for a surge: the old pod makes room first
+            if idx in surge_by_index:
+                pl = surge_by_index[idx]  # a free slot: start the new pod beside the old one
+            else:
+                for o in olds:  # no spare slot: the old pod makes room first
                     _delete_pod(core, ns, o.metadata.name)
                 continue  # its slot is free once it is gone; a later pass creates the new pod
         _create(core.create_namespaced_pod, ns, b.build_pod(cr, spec, pl))

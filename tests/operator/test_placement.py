@@ -69,7 +69,7 @@ def test_eligibility_isa_selector_readiness():
 
 def test_engine_pinning_lists_and_exclusive_slots():
     s = spec(placement__pinning="Engine", replicas=2)
-    p = plan(s, [machine("a")], taken={"a/0": "other-server"})
+    p = plan(s, [machine("a")], taken={"a/0": "ml/other-server"})
     assert [pl.slot.key for pl in p.placements] == ["a/1"] and p.unplaced == 1
     (pl,) = p.placements
     assert pl.rank_cpus == (tuple(range(8, 15)),)  # NUMA 1's first threads 8-15, the last core reserved
@@ -143,6 +143,9 @@ def test_pod_is_guaranteed_pinned_and_probed():
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"]["path"] == "/health"
     assert c["command"] == ["cpuserve"] and c["args"][-2:] == ["--block-size", "64"]
+    amx = spec(placement__requiredISA=["amx_bf16"])
+    (apl,) = plan(amx, [machine("x", isa={"amx_bf16"})]).placements
+    assert b.build_pod(CR, amx, apl)["spec"]["nodeSelector"]["cpuserve.dev/isa.amx_bf16"] == "true"
     assert pod["metadata"]["ownerReferences"][0]["uid"] == "1234"
     assert pod["metadata"]["labels"][b.L_HASH] == s.hash()
 

@@ -13,13 +13,24 @@ NUMA_SYSCALLS = {"x86_64": (237, 238, 239, 256), "aarch64": (235, 237, 236, 238)
 
 
 def install() -> None:
-    nrs = NUMA_SYSCALLS[platform.machine()]
+    install_filter("SCMP_ACT_ALLOW", {nr: ("SCMP_ACT_ERRNO", errno.EPERM) for nr in NUMA_SYSCALLS[platform.machine()]})
+
+
+def _ret(action: str, err: int) -> int:
+    if action == "SCMP_ACT_ALLOW":
+        return 0x7FFF0000                           # SECCOMP_RET_ALLOW
+    if action == "SCMP_ACT_ERRNO":
+        return 0x00050000 | (err & 0xFFFF)          # SECCOMP_RET_ERRNO | errno
+    raise ValueError(f"unsupported seccomp action {action}")
+
+
+def install_filter(default: str, by_nr: dict) -> None:
+    """default action for unlisted syscalls; by_nr: {number: (action, errno)}."""
     ld_nr, jeq, ret = 0x20, 0x15, 0x06             # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_RET|K
-    allow, deny = 0x7FFF0000, 0x00050000 | errno.EPERM  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO|EPERM
     prog = [(ld_nr, 0, 0, 0)]                        # A = seccomp_data.nr
-    for i, nr in enumerate(nrs):
-        prog.append((jeq, len(nrs) - i, 0, nr))      # match: jump to the deny return
-    prog += [(ret, 0, 0, allow), (ret, 0, 0, deny)]
+    for nr, (action, err) in sorted(by_nr.items()):
+        prog += [(jeq, 0, 1, nr), (ret, 0, 0, _ret(action, err))]  # match: return its action, else skip it
+    prog.append((ret, 0, 0, _ret(default, errno.EPERM)))
     buf = b"".join(struct.pack("HBBI", *ins) for ins in prog)
     filt = ctypes.create_string_buffer(buf)
 
@@ -34,12 +45,15 @@ def install() -> None:
         raise OSError(ctypes.get_errno(), "PR_SET_SECCOMP")
 
 
-if __name__ == "__main__":
-    install()
-    args = sys.argv[1:]
+def run_rest(args: list[str]) -> None:
     if args[0] == "-m":
         sys.argv = args[1:]
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)
     else:
         sys.argv = args
         runpy.run_path(args[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    install()
+    run_rest(sys.argv[1:])

@@ -1,0 +1,49 @@
+"""The chart's Localhost seccomp profile, compiled to a BPF filter here and
+enforced on real processes: the NUMA calls work under it (memory binding
+effective, the engine generates), and what it refuses is refused."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PROFILE = ROOT / "charts" / "cpuserve" / "files" / "seccomp-numa.json"
+RUNNER = str(ROOT / "tests" / "platform" / "seccomp_profile.py")
+
+UNSHARE = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+rc = libc.unshare(0x00020000)  # CLONE_NEWNS: root may, the profile may not
+print("unshare", rc, os.strerror(ctypes.get_errno()) if rc else "ok")
+"""
+
+
+def run(*args):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run([sys.executable, RUNNER, str(PROFILE), *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def test_numa_calls_allowed_under_the_profile():
+    r = run("-m", "cpuserve", "topology", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["memory_binding"]["effective"] is True
+
+
+def test_refused_calls_are_refused(tmp_path):
+    script = tmp_path / "unshare.py"
+    script.write_text(UNSHARE)
+    r = run(str(script))
+    assert r.returncode == 0, r.stderr
+    assert "unshare -1 Operation not permitted" in r.stdout
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    if os.geteuid() == 0:  # without the profile, root may: the refusal above is the profile's doing
+        assert "unshare 0 ok" in plain.stdout
+
+
+def test_engine_generates_under_the_profile():
+    r = run("-m", "cpuserve", "generate", "--prompt", "Hi", "--max-tokens", "4", "--kv-cache-space", "0.5",
+            "--dtype", "float32")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "NUMA memory binding is not in effect" not in r.stderr

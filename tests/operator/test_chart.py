@@ -37,3 +37,49 @@ def test_chart_renders_and_validates(cluster):
                  ("", "services", "create"), ("networking.k8s.io", "ingresses", "delete"), ("", "nodes", "watch")]:
         assert need in granted
     assert not any("*" in (g, res, v) for g, res, v in granted)  # nothing wildcard
+
+
+def test_operator_works_with_the_charts_rbac(cluster):
+    """The operator, authenticated as the chart's ServiceAccount (its ClusterRole only),
+    reconciles a server: the RBAC the chart lists is enough."""
+    import json
+    import os
+    import sys
+
+    from conftest import free_port, wait_for
+
+    rendered = helm("template", "cpuserve", str(CHART), "--namespace", "cpuserve-system")
+    rbac = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] in
+            ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")]
+    cluster.kubectl("create", "namespace", "cpuserve-system", check=False)
+    cluster.kubectl("apply", "-f", "-", input="\n---\n".join(yaml.safe_dump(d) for d in rbac))
+    token = cluster.kubectl("create", "token", "cpuserve-operator", "-n", "cpuserve-system").stdout.strip()
+    kubeconfig = cluster.dir / "operator-sa.kubeconfig"
+    cfg = json.loads(cluster.kubeconfig.read_text())
+    cfg["users"] = [{"name": "admin", "user": {"token": token}}]
+    kubeconfig.write_text(json.dumps(cfg))
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "Node", "metadata": {"name": "rbac-node", "annotations": {
+            "cpuserve.dev/topology": json.dumps({"numaNodes": [{"id": 0, "cpus": "0-7", "memory": 32 << 30}]})}}}))
+    cluster.kubectl("patch", "node", "rbac-node", "--subresource=status", "--type=merge", "-p",
+                    json.dumps({"status": {"conditions": [{"type": "Ready", "status": "True"}]}}))
+    log = open(cluster.dir / "operator-sa.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "cpuserve_operator.main", "--standalone", "--namespace", "rbac",
+                             "--liveness", f"http://127.0.0.1:{free_port()}/healthz"], stdout=log,
+                            stderr=subprocess.STDOUT, env=dict(os.environ, KUBECONFIG=str(kubeconfig)))
+    try:
+        cluster.kubectl("create", "namespace", "rbac", check=False)
+        cluster.kubectl("apply", "-n", "rbac", "-f", "-", input=json.dumps({
+            "apiVersion": "cpuserve.dev/v1alpha1", "kind": "CPUModelServer", "metadata": {"name": "sa"},
+            "spec": {"model": {"source": "packaged://smollm2"}, "engine": {"kvCacheGiB": 1}}}))
+        wait_for(lambda: cluster.get("pods", "-n", "rbac", "-l", "cpuserve.dev/server=sa")["items"], 60, "pod")
+        wait_for(lambda: cluster.get("cms", "-n", "rbac", "sa").get("status", {}).get("phase") == "Loading", 60,
+                 "status written")
+        assert cluster.get("svc", "-n", "rbac", "sa")["spec"]["ports"][0]["port"] == 8000
+        text = (cluster.dir / "operator-sa.log").read_text()
+        assert "Forbidden" not in text and "forbidden" not in text, text[-3000:]
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        cluster.kubectl("delete", "namespace", "rbac", "--wait=false", check=False)
+        cluster.kubectl("delete", "node", "rbac-node", check=False)

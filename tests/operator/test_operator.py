@@ -204,3 +204,28 @@ def test_generated_objects_pass_server_side_validation(cluster):
             r = cluster.kubectl("create", "--dry-run=server", "--validate=strict", "-f", "-", input=json.dumps(obj),
                                 check=False)
             assert r.returncode == 0, f"{obj['kind']}: {r.stderr}"
+
+
+def test_tensor_parallel_pods(cluster, operator):
+    add_node(cluster, "big", numa=4)
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "cpuserve.dev/v1alpha1", "kind": "CPUModelServer", "metadata": {"name": "tp", "namespace": NS},
+        "spec": {"model": {"source": "packaged://smollm2", "servedName": "smollm2", "sizeGiB": 2},
+                 "engine": {"kvCacheGiB": 3}, "replicas": 2,
+                 "placement": {"strategy": "TensorParallel", "tensorParallelSize": 2, "pinning": "Engine"}}}))
+    got = wait_for(lambda: len(pods(cluster, "tp")) == 2 and pods(cluster, "tp"), 60, "2 TP pods")
+    slots = sorted(p["metadata"]["annotations"]["cpuserve.dev/slot"] for p in got)
+    assert all(s.endswith(("/0,1", "/2,3")) for s in slots) and len(set(slots)) == 2
+    for p in got:
+        c = p["spec"]["containers"][0]
+        args, env = c["args"], {e["name"]: e["value"] for e in c["env"]}
+        assert args[args.index("--tensor-parallel-size") + 1] == "2"
+        assert c["resources"]["limits"] == {"cpu": str(2 * (8 - 2)), "memory": str((2 + 2 * 3 + 1) << 30)}
+        ranks = env["VLLM_CPU_OMP_THREADS_BIND"].split("|")
+        assert len(ranks) == 2 and env["CPU_VISIBLE_MEMORY_NODES"] in ("0,1", "2,3")
+        assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    kubelet(cluster, name="tp")
+    cluster.kubectl("wait", "--for=condition=Ready", "cms/tp", "-n", NS, "--timeout=60s")
+    placements = cms(cluster, "tp")["status"]["placements"]
+    assert sorted(len(p["numaNodes"]) for p in placements) == [2, 2] and all(p["cpus"] for p in placements)
+    cluster.kubectl("delete", "cms", "tp", "-n", NS)

@@ -43,7 +43,6 @@ def test_dead_rank_stops_the_engine():
     got, _ = run("kill-rank", 2, PROMPTS[:2])
     assert got["error"] is not None
     assert "rank 1" in got["error"] and ("exited with code -9" in got["error"] or "has died" in got["error"])
-    assert got["seconds"] < 30
 
 
 def test_rank_that_does_not_fit_its_node_is_refused():

@@ -51,7 +51,7 @@ def wait_for(check, timeout: float, what: str, interval: float = 0.2):
 
 
 class ControlPlane:
-    def __init__(self, assets: Path):
+    def __init__(self, assets: Path, crds: list[Path] = ()):
         self.assets = assets
         self.dir = Path(tempfile.mkdtemp(prefix="cpuserve-envtest-"))
         self.procs: list[subprocess.Popen] = []
@@ -89,6 +89,11 @@ class ControlPlane:
                                                         "namespace": "default"}}]}))
         self.wait_ready(lambda: self.kubectl("get", "--raw", "/readyz", check=False).returncode == 0,
                         "kube-apiserver ready")
+        # CRDs before the controller manager: its garbage collector then watches them from its
+        # first discovery instead of picking them up on a later resync.
+        for crd in crds:
+            self.kubectl("apply", "-f", str(crd))
+            self.kubectl("wait", "--for=condition=Established", "-f", str(crd), "--timeout=60s")
         self.start("kube-controller-manager", [
             str(assets / "kube-controller-manager"), "--kubeconfig", str(self.kubeconfig),
             "--authentication-kubeconfig", str(self.kubeconfig), "--authorization-kubeconfig", str(self.kubeconfig),
@@ -147,10 +152,8 @@ def cluster():
         if os.environ.get("CI"):
             pytest.fail(msg)
         pytest.skip(msg)
-    cp = ControlPlane(Path(ASSETS))
+    cp = ControlPlane(Path(ASSETS), [ROOT / "crds" / "cpumodelserver.yaml"])
     try:
-        cp.kubectl("apply", "-f", str(ROOT / "crds" / "cpumodelserver.yaml"))
-        cp.kubectl("wait", "--for=condition=Established", "crd/cpumodelservers.cpuserve.dev", "--timeout=60s")
         yield cp
     finally:
         cp.stop()

@@ -175,7 +175,12 @@ def test_lifecycle(cluster, operator):
 
     # deletion: everything it owns is garbage collected
     cluster.kubectl("delete", "cms", "llm", "-n", NS, "--wait=false")
-    wait_for(lambda: cluster.kubectl("get", "svc", "llm", "-n", NS, check=False).returncode != 0, 60, "service GC")
+    wait_for(lambda: cluster.kubectl("get", "cms", "llm", "-n", NS, check=False).returncode != 0, 60, "CR gone")
+    try:
+        wait_for(lambda: cluster.kubectl("get", "svc", "llm", "-n", NS, check=False).returncode != 0, 180,
+                 "service GC")
+    except TimeoutError as e:
+        raise AssertionError(f"{e}\n--- kube-controller-manager:\n{cluster.tail('kube-controller-manager', 60)}")
     wait_for(lambda: cluster.kubectl("get", "ingress", "llm", "-n", NS, check=False).returncode != 0, 60, "ingress GC")
 
     def pods_gone():

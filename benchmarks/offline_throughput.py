@@ -61,7 +61,7 @@ def case_engine(dtype: str) -> dict:
         eng.step()
         steps += 1
     decode_ms = (time.perf_counter() - t) / steps * 1e3
-    weights = sum(v.numel() * v.element_size() for v in _tensors(runner.model))
+    weights = runner.weight_bytes
     bs_tokens = runner.block_size
     per_token_kv = runner.kv_cache[0, 0, 0].numel() // bs_tokens * runner.kv_cache.element_size() \
         * runner.kv_cache.shape[0] * 2
@@ -71,27 +71,6 @@ def case_engine(dtype: str) -> dict:
                 tok_per_s=n_out / total, ttft_ms=ttft * 1e3, decode_ms=decode_ms, weights_bytes=weights,
                 kv_touched_bytes=kv_touched, kv_allocated_bytes=runner.kv_cache.numel() * runner.kv_cache.element_size(),
                 peak_rss_bytes=rss, isa=__import__("cpuserve.ops", fromlist=["KERNELS"]).KERNELS.isa)
-
-
-def _tensors(model):
-    """Every weight tensor the model holds (packed GEMM weights included)."""
-    import torch
-    from cpuserve.ops import PackedWeight
-    seen, out, stack = set(), [], [model]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            out.append(obj)
-        elif isinstance(obj, PackedWeight):
-            out.append(obj.data)
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("cpuserve"):
-            stack.extend(v for k, v in vars(obj).items() if k not in ("k_cache", "v_cache"))
-    return out
 
 
 def case_transformers() -> dict:

@@ -74,6 +74,7 @@ class ModelRunner:
         try:
             weights = Weights(load_state_dict(self.model_dir))
             self.model = cls(self.hf_config, weights, self.dtype, tp)
+            self.weight_bytes = tensor_bytes(self.model)  # before the KV cache is bound to the layers
             self.max_model_len = self._max_model_len()
             self.block_size = config.block_size
             self.num_blocks = self._allocate_kv_cache()
@@ -194,7 +195,7 @@ class ModelRunner:
         b = self.binding
         if b is None or b.mem_bytes is None:
             return
-        weights = tensor_bytes(self.model)
+        weights = self.weight_bytes
         if weights + kv_bytes > b.mem_bytes:
             raise ValueError(
                 f"rank {self.tp.rank} does not fit its NUMA node {b.mem_node}: weights {weights / GiB:.2f} GiB + "

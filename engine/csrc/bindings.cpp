@@ -1,5 +1,5 @@
 // The one binding file: exposes each ISA's kernel table as a `Kernels` object.
-// Arguments are raw addresses (tensor.data_ptr()) plus sizes; cpuserve/ops.py
+// Arguments are raw addresses (tensor.data_ptr()) plus sizes; cpuserve/model_executor/ops.py
 // checks shapes, dtypes and contiguity before anything reaches this file.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

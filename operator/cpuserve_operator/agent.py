@@ -17,7 +17,7 @@ log = logging.getLogger("cpuserve_operator.agent")
 
 def describe(root: str = "/", status: str | None = None) -> tuple[dict, dict]:
     """(labels, annotations) for the machine whose /sys and /proc are under root."""
-    from cpuserve_operator.sysfs_topology import format_cpulist, read_topology
+    from cpuserve_topology import format_cpulist, read_topology
 
     topo = read_topology(root, status=status) if (root != "/" or status) else read_topology()
     tpc = max((len(c.siblings) for c in topo.cpus.values()), default=1)

@@ -9,7 +9,7 @@ from pathlib import Path
 from cpuserve_operator.agent import describe
 from cpuserve_operator.placement import node_from_api, parse_spec, plan
 
-TREES = Path(__file__).resolve().parents[1] / "platform" / "trees"
+TREES = Path(__file__).resolve().parents[1] / "topology" / "trees"
 
 
 def test_recorded_machines_round_trip_into_the_planner():

@@ -1,0 +1,205 @@
+"""The API process's handle on the engine core: spawns it, sends requests,
+turns its token outputs into RequestOutputs (output_processor) and hands them
+to one asyncio queue per request. If the core dies, every in-flight request
+ends with EngineDeadError and `dead` is set (health turns 503)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import pickle
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from cpuserve.engine import core_process as cp
+from cpuserve.config import EngineConfig
+from cpuserve.engine.output_processor import OutputProcessor
+from cpuserve.engine.outputs import CoreStats, RequestOutput
+from cpuserve.core.sampling_params import SamplingParams
+from cpuserve.core.scheduler import admission_error
+from cpuserve.loading.tokenizer import load_tokenizer
+
+log = logging.getLogger("cpuserve.engine")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class RequestRejected(ValueError):
+    pass
+
+
+class Overloaded(RuntimeError):
+    pass
+
+
+@dataclass
+class ModelInfo:
+    model_dir: str
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    dtype: str
+    load_seconds: float
+    pid: int
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, max_waiting_requests: int = 1024, on_dead=None):
+        self.config = config
+        self.max_waiting = max_waiting_requests
+        self.on_dead = on_dead
+        self.info: ModelInfo | None = None
+        self.tokenizer = None
+        self.output: OutputProcessor | None = None
+        self.stats = CoreStats()
+        self.dead = False
+        self.dead_reason = ""
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._unscheduled = 0  # requests sent since the last stats snapshot
+        self.listeners = []    # callables(RequestOutput, CoreStats) for metrics
+
+    # -- lifecycle ------------------------------------------------------------------
+    async def start(self, timeout: float = 600.0) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self._dir = tempfile.mkdtemp(prefix="cpuserve-")
+        os.chmod(self._dir, 0o700)
+        in_addr, out_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
+        self._ctx = zmq.asyncio.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.bind(in_addr)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(out_addr)
+        mp = multiprocessing.get_context("spawn")
+        self.proc = mp.Process(target=cp.run_engine_core, args=(self.config, in_addr, out_addr),
+                               name="cpuserve-engine-core", daemon=True)
+        self.proc.start()
+        deadline = time.monotonic() + timeout
+        while True:
+            if await self._pull.poll(500):
+                kind, *payload = pickle.loads(await self._pull.recv())
+                if kind == cp.READY:
+                    self.info = ModelInfo(**payload[0])
+                    break
+                if kind == cp.FATAL:
+                    raise RuntimeError(f"engine core failed to start: {payload[0]}")
+            if not self.proc.is_alive():
+                raise RuntimeError(f"engine core exited during start-up (exit code {self.proc.exitcode})")
+            if time.monotonic() > deadline:
+                raise RuntimeError("engine core did not become ready in time")
+        self.tokenizer = load_tokenizer(self.info.model_dir)
+        self.output = OutputProcessor(self.tokenizer)
+        self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch_process())]
+        log.info("engine core ready (pid %d): %s, dtype %s, %d KV blocks of %d, max_model_len %d",
+                 self.info.pid, self.info.model_dir, self.info.dtype, self.info.num_blocks, self.info.block_size,
+                 self.info.max_model_len)
+
+    async def shutdown(self) -> None:
+        if getattr(self, "proc", None) is None:
+            return
+        if self.proc.is_alive():
+            try:  # bounded: a PUSH socket blocks when the core is already closing and has no reader
+                await asyncio.wait_for(self._send(cp.SHUTDOWN), 2.0)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+            await asyncio.to_thread(self.proc.join, 5)
+            if self.proc.is_alive():
+                self.proc.kill()
+        for t in getattr(self, "_tasks", []):
+            t.cancel()
+        self._ctx.destroy(linger=0)
+
+    # -- requests -------------------------------------------------------------------
+    def check(self, prompt_len: int, params: SamplingParams) -> None:
+        """Raises RequestRejected (a 400) for what can never be served."""
+        i = self.info
+        err = admission_error(prompt_len, params.max_tokens, i.max_model_len, i.num_blocks, i.block_size,
+                              self.config.enable_chunked_prefill, self.config.resolve_batched_tokens(i.max_model_len))
+        if err:
+            raise RequestRejected(err)
+
+    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        if self.dead:
+            raise EngineDeadError(self.dead_reason)
+        if self.stats.num_waiting + self._unscheduled >= self.max_waiting:
+            raise Overloaded(f"too many waiting requests ({self.max_waiting}); retry later")
+        if request_id in self._queues:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        if prompt_token_ids and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.info.vocab_size):
+            raise RequestRejected(f"prompt token ids must be in [0, {self.info.vocab_size})")
+        self.check(len(prompt_token_ids), params)
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        self.output.add_request(request_id, prompt, prompt_token_ids, params)
+        finished = False
+        try:
+            await self._send(cp.ADD, request_id, prompt_token_ids, params, time.monotonic())
+            self._unscheduled += 1
+            while True:
+                item = await q.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:  # cancelled (client gone) or failed: free its blocks in the core
+                self.output.abort_request(request_id)
+                if not self.dead:
+                    await self._send(cp.ABORT, request_id)
+
+    async def _send(self, *msg) -> None:
+        await self._push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    # -- background tasks -----------------------------------------------------------
+    async def _read_outputs(self) -> None:
+        while True:
+            kind, *payload = pickle.loads(await self._pull.recv())
+            if kind == cp.OUTPUTS:
+                outputs, stats = payload
+                self.stats = stats
+                self._unscheduled = 0
+                results, to_stop = self.output.process(outputs)
+                for rid, index in to_stop:
+                    await self._send(cp.STOP_SEQ, rid, index)
+                for ro in results:
+                    q = self._queues.get(ro.request_id)
+                    if q is not None:
+                        q.put_nowait(ro)
+                    for listener in self.listeners:
+                        listener(ro, outputs)
+            elif kind == cp.REJECTED:
+                rid, msg = payload
+                self.output.abort_request(rid)
+                q = self._queues.get(rid)
+                if q is not None:
+                    q.put_nowait(RequestRejected(msg))
+            elif kind == cp.FATAL:
+                self._die(f"engine core failed: {payload[0].strip().splitlines()[-1]}")
+                log.error("engine core failed:\n%s", payload[0])
+                return
+
+    async def _watch_process(self) -> None:
+        while self.proc.is_alive():
+            await asyncio.sleep(0.2)
+        self._die(f"engine core process exited (exit code {self.proc.exitcode})")
+
+    def _die(self, reason: str) -> None:
+        if self.dead:
+            return
+        self.dead, self.dead_reason = True, reason
+        log.error("%s: failing %d in-flight requests", reason, len(self._queues))
+        for q in self._queues.values():
+            q.put_nowait(EngineDeadError(reason))
+        if self.on_dead is not None:
+            self.on_dead(reason)

@@ -1,0 +1,91 @@
+"""The engine-core process: owns the model and steps it; talks to the API
+process over two local ZeroMQ sockets (requests in, outputs out).
+
+Messages are pickled tuples on a private ipc:// path in a directory only this
+user can reach. Outputs go out after every step with a stats snapshot; an
+exception in the core is reported once and the process exits non-zero.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import traceback
+
+log = logging.getLogger("cpuserve.core")
+
+# request kinds (API -> core)
+ADD, ABORT, STOP_SEQ, SHUTDOWN = "add", "abort", "stop_seq", "shutdown"
+# message kinds (core -> API)
+READY, OUTPUTS, REJECTED, FATAL = "ready", "outputs", "rejected", "fatal"
+
+
+def run_engine_core(config, input_addr: str, output_addr: str) -> None:
+    """Entry point of the spawned process: load, report READY (or FATAL), then loop."""
+    import zmq
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(input_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(output_addr)
+    send = lambda *msg: push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))  # noqa: E731
+    parent = os.getppid()
+    try:
+        from cpuserve.engine.engine_core import EngineCore
+
+        core = EngineCore(config)
+        send(READY, dict(model_dir=str(core.runner.model_dir), max_model_len=core.max_model_len,
+                         vocab_size=core.vocab_size, num_blocks=core.runner.num_blocks,
+                         block_size=config.block_size, dtype=str(core.runner.dtype).replace("torch.", ""),
+                         load_seconds=core.runner.load_seconds, pid=os.getpid()))
+    except Exception as e:  # a bad model or configuration: the API process reports it and exits
+        send(FATAL, f"{type(e).__name__}: {e}")
+        sys.exit(1)
+    try:
+        busy_loop(core, pull, send, parent)
+    except Exception:
+        send(FATAL, traceback.format_exc())
+        raise
+
+
+def busy_loop(core, pull, send, parent: int) -> None:
+    """Takes in requests, steps while there is work, sends each step's outputs.
+    Returns on SHUTDOWN or when the API process is gone."""
+    import zmq
+
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+    while True:
+        # block while idle (waking up to notice a dead parent); drain without waiting while busy
+        timeout = 0 if core.has_unfinished() else 1000
+        while poller.poll(timeout):
+            if not handle(core, send, *pickle.loads(pull.recv())):
+                return
+            timeout = 0
+        if os.getppid() != parent:
+            log.error("API process is gone: engine core exiting")
+            return
+        core.runner.check_ranks()  # a dead tensor-parallel rank stops the engine, even while idle
+        if core.has_unfinished():
+            outputs = core.step()
+            send(OUTPUTS, outputs, core.snapshot_stats())
+
+
+def handle(core, send, kind: str, *payload) -> bool:
+    """Applies one message from the API process; False on SHUTDOWN."""
+    if kind == ADD:
+        request_id, ids, params, arrival = payload
+        try:
+            core.add_request(request_id, ids, params, arrival)
+        except ValueError as e:
+            send(REJECTED, request_id, str(e))
+    elif kind == ABORT:
+        core.abort_request(payload[0])
+    elif kind == STOP_SEQ:
+        core.stop_sequence(*payload)
+    elif kind == SHUTDOWN:
+        return False
+    return True

@@ -1,0 +1,149 @@
+"""The engine core: scheduler + model runner + token-level stop conditions.
+
+It speaks token ids only: no tokenizer, no text. Offline, LLMEngine runs it in
+the same process; served, it runs in its own process (core_process.py) and the
+API process turns its outputs into text (output_processor.py).
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cpuserve.core.block_manager import BlockManager
+from cpuserve.config import EngineConfig
+from cpuserve.worker.model_runner import ModelRunner
+from cpuserve.engine.outputs import CoreStats, SeqOutput
+from cpuserve.core.sampling_params import SamplingParams
+from cpuserve.core.scheduler import Scheduler
+from cpuserve.core.sequence import FinishReason, Sequence
+
+
+@dataclass
+class _Request:
+    seqs: list[Sequence] = field(default_factory=list)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.max_model_len = self.runner.max_model_len
+        self.vocab_size = self.runner.vocab_size
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.resolve_batched_tokens(self.max_model_len), self.max_model_len,
+                                   config.enable_chunked_prefill)
+        self.eos_token_ids = self.runner.sampler.eos_token_ids
+        self.requests: dict[str, _Request] = {}
+        self.stats = CoreStats()
+        self._rng = random.Random(config.seed)
+
+    # -- requests -------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError for a request that can never be served."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        self.scheduler.check_admissible(len(prompt_token_ids), params.max_tokens)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival: float | None = None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        now = time.monotonic() if arrival is None else arrival
+        req = _Request()
+        for i in range(params.n):
+            seq = Sequence(prompt_token_ids, params, request_id, i, now)
+            if not params.greedy:
+                seed = params.seed * 1_000_003 + i if params.seed is not None else self._rng.getrandbits(63)
+                seq.generator = torch.Generator().manual_seed(seed)
+            req.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = req
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        for seq in req.seqs if req else ():
+            if not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.ABORT)
+
+    def stop_sequence(self, request_id: str, index: int) -> None:
+        """Ends one sequence early (a stop string matched in the output text)."""
+        req = self.requests.get(request_id)
+        if req is None or index >= len(req.seqs) or req.seqs[index].is_finished:
+            return
+        self.scheduler.finish(req.seqs[index], FinishReason.STOP)
+        self._forget_if_done(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- stepping -------------------------------------------------------------------
+    def step(self) -> list[SeqOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress with requests pending (cache exhausted)")
+            return []
+        now = time.monotonic()
+        first_seen: dict[int, float] = {}
+        for seq in batch.seqs:
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now
+                first_seen[seq.seq_id] = now - seq.arrival
+        samplers, tokens, logprobs = self.runner.execute(batch)
+        self.stats.steps += 1
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.stats.prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += n
+            self.block_manager.commit_full_blocks(seq)
+        outputs = []
+        for seq, tok, lp in zip(samplers, tokens, logprobs):
+            reason, stop_reason = self._append_token(seq, tok, lp)
+            outputs.append(SeqOutput(seq.request_id, seq.index, tok, lp, reason, stop_reason, seq.num_prompt_tokens,
+                                     seq.num_cached_tokens, first_seen.get(seq.seq_id)))
+            if reason is not None:
+                self._forget_if_done(seq.request_id)
+        return outputs
+
+    def _append_token(self, seq: Sequence, tok: int, lp: dict | None) -> tuple[str | None, int | None]:
+        seq.token_ids.append(tok)
+        if lp is not None:
+            seq.logprobs.append(lp)
+        self.stats.generation_tokens += 1
+        p = seq.params
+        may_stop = seq.num_output_tokens >= p.min_tokens
+        reason, stop_reason = None, None
+        if may_stop and not p.ignore_eos and tok in self.eos_token_ids:
+            reason = FinishReason.STOP
+        elif may_stop and tok in p.stop_token_ids:
+            reason, stop_reason = FinishReason.STOP, tok
+        elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            reason = FinishReason.LENGTH
+        elif len(seq) >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is None:
+            return None, None
+        self.scheduler.finish(seq, reason, stop_reason)
+        return reason.value, stop_reason
+
+    def _forget_if_done(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and all(s.is_finished for s in req.seqs):
+            del self.requests[request_id]
+
+    def snapshot_stats(self) -> CoreStats:
+        s = self.stats
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
+        s.kv_cache_usage = self.block_manager.usage
+        s.prefix_cache_queries = self.block_manager.prefix_queries
+        s.prefix_cache_hits = self.block_manager.prefix_hits
+        s.num_preemptions = self.scheduler.num_preemptions
+        return s

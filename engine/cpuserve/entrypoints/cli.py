@@ -1,0 +1,184 @@
+"""`cpuserve` command line: `serve` (the OpenAI-compatible server) and
+`generate` (the offline engine on a few prompts)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+SERVE_BATCHED_TOKENS = 512
+
+DEMO_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about CPUs.",
+    "Explain what a KV cache is in one sentence.",
+    "List three prime numbers.",
+]
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="Hugging Face directory or .gguf file (default: packaged SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--kv-cache-space", type=float, default=None,
+                   help="GiB for the KV cache (default: VLLM_CPU_KVCACHE_SPACE, else 4)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step (default: 512 for serve, 2048 offline)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks, one per NUMA node (see VLLM_CPU_OMP_THREADS_BIND)")
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(model=a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size,
+                kv_cache_space=a.kv_cache_space, max_num_seqs=a.max_num_seqs,
+                max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
+                enable_prefix_caching=a.enable_prefix_caching, enable_chunked_prefill=a.enable_chunked_prefill,
+                seed=a.seed, tensor_parallel_size=a.tensor_parallel_size)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from cpuserve import LLM, SamplingParams
+
+    kwargs = engine_kwargs(a)
+    t0 = time.perf_counter()
+    llm = LLM(kwargs.pop("model"), **kwargs)
+    print(f"# ready in {time.perf_counter() - t0:.2f}s", file=sys.stderr)
+    params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed)
+    prompts = a.prompt or DEMO_PROMPTS
+    t1 = time.perf_counter()
+    outs = [llm.chat([{"role": "user", "content": p}], params)[0] for p in prompts] if a.chat else \
+        llm.generate(prompts, params)
+    dt = time.perf_counter() - t1
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    for p, o in zip(prompts, outs):
+        print(f">>> {p}\n{o.outputs[0].text}\n")
+    print(f"# {n} tokens in {dt:.2f}s", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import os
+
+    from cpuserve.config import EngineConfig
+    from cpuserve.entrypoints.serve import run
+
+    kwargs = engine_kwargs(a)
+    if kwargs["max_num_batched_tokens"] is None and a.enable_chunked_prefill:
+        # Serving default (offline keeps 2048): smaller steps let new requests' prefills
+        # interleave with running decodes sooner. Measured here at 16 streams: TTFT p50
+        # 3.1 s -> 1.4 s with no loss of throughput (GEMMs stay efficient at 512 rows).
+        kwargs["max_num_batched_tokens"] = SERVE_BATCHED_TOKENS
+    config = EngineConfig(**kwargs, served_model_name=a.served_model_name)
+    api_key = a.api_key or os.environ.get("CPUSERVE_API_KEY") or os.environ.get("VLLM_API_KEY")
+    return run(config, a.host, a.port, a.served_model_name, api_key, a.max_waiting_requests)
+
+
+def cmd_topology(a: argparse.Namespace) -> int:
+    import json
+
+    from cpuserve.platform.binding import BindingError, plan_from_env
+    from cpuserve_topology import read_topology
+
+    topo = read_topology(a.root) if a.root else read_topology()
+    try:
+        plan, plan_error = plan_from_env(topo, a.tensor_parallel_size), None
+    except BindingError as e:
+        plan, plan_error = None, str(e)
+    membind, why = (False, "not probed (recorded tree)") if a.root else _probe_membind()
+    if a.json:
+        out = topo.to_dict()
+        out["memory_binding"] = dict(effective=membind, detail=why)
+        out["binding_plan"] = None if plan is None else dict(
+            mode=plan.mode, reserved_cpus=list(plan.reserved_cpus), warnings=list(plan.warnings),
+            ranks=[dict(rank=r.rank, cpus=None if r.cpus is None else list(r.cpus), threads=r.num_threads,
+                        mem_node=r.mem_node) for r in plan.ranks])
+        if plan_error:
+            out["binding_error"] = plan_error
+        print(json.dumps(out, indent=2))
+        return 0 if plan_error is None else 2
+    print(format_topology(topo, membind, why))
+    print()
+    print(f"binding plan for tensor_parallel_size={a.tensor_parallel_size} (VLLM_CPU_OMP_THREADS_BIND, "
+          "VLLM_CPU_NUM_OF_RESERVED_CPU, CPU_VISIBLE_MEMORY_NODES):")
+    if plan_error:
+        print(f"  error: {plan_error}")
+        return 2
+    for line in plan.describe():
+        print(f"  {line}")
+    for w in plan.warnings:
+        print(f"  warning: {w}")
+    return 0
+
+
+def _probe_membind() -> tuple[bool, str]:
+    from cpuserve.platform.pinning import probe_membind
+
+    return probe_membind()
+
+
+def format_topology(topo, membind: bool, why: str) -> str:
+    from cpuserve_topology import format_cpulist
+
+    gib = 1 << 30
+    lines = [f"arch {topo.arch}, {len(topo.packages)} socket(s), {len(topo.nodes)} NUMA node(s), "
+             f"SMT {'on' if topo.smt else 'off'}",
+             f"ISA: {' '.join(topo.isa) or '-'}",
+             f"allowed CPUs {format_cpulist(topo.allowed_cpus)}, memory nodes {format_cpulist(topo.allowed_mems)}"
+             + (f", CPU quota {topo.cpu_quota:g}" if topo.cpu_quota is not None else ""),
+             f"memory binding: {'effective' if membind else 'NOT effective'} ({why})",
+             "",
+             f"{'node':>4}  {'CPUs':<20} {'allowed':<20} {'cores':>5} {'allowed':>7} {'memory':>10} {'free':>10}"]
+    for n in topo.nodes:
+        allowed = topo.allowed_in(n.id)
+        lines.append(f"{n.id:>4}  {format_cpulist(n.cpus):<20} {format_cpulist(allowed) or '-':<20} "
+                     f"{len(topo.physical_cores(n.cpus)):>5} {len(topo.physical_cores(allowed)):>7} "
+                     f"{n.mem_total / gib:>7.1f} GiB {n.mem_free / gib:>6.1f} GiB"
+                     + ("" if n.id in topo.allowed_mems else "  (memory not allowed)"))
+    lines += [f"warning: {w}" for w in topo.warnings]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cpuserve", description="LLM serving on CPUs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    add_engine_args(s)
+    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="model name clients use (default: smollm2 / dir name)")
+    s.add_argument("--api-key", default=None, help="require this bearer token on /v1 (or CPUSERVE_API_KEY)")
+    s.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="queue bound: further requests get 503 until the queue drains")
+    s.set_defaults(func=cmd_serve)
+    g = sub.add_parser("generate", help="generate offline for a few prompts")
+    add_engine_args(g)
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable); default: a few demo prompts")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap prompts in the model's chat template")
+    g.set_defaults(func=cmd_generate)
+    t = sub.add_parser("topology", help="show NUMA nodes, cores, memory, ISA and the thread/memory binding plan")
+    t.add_argument("--json", action="store_true", help="machine-readable output")
+    t.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="plan the binding for this many ranks")
+    t.add_argument("--root", default=None, help=argparse.SUPPRESS)  # a recorded /sys + /proc tree (tests)
+    t.set_defaults(func=cmd_topology)
+    a = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return a.func(a)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"cpuserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""The offline API, as vLLM users know it:
+
+    llm = LLM()                      # the packaged SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    outs = llm.chat([{"role": "user", "content": "Hi!"}])
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence as Seq
+
+from cpuserve.config import EngineConfig
+from cpuserve.engine.llm_engine import LLMEngine
+from cpuserve.engine.outputs import RequestOutput
+from cpuserve.core.sampling_params import SamplingParams
+from cpuserve.loading.tokenizer import apply_chat_template
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = f"offline-{next(self._ids)}"
+                if isinstance(prompt, dict):
+                    if "prompt_token_ids" not in prompt and "prompt" not in prompt:
+                        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                    prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
+                self.engine.add_request(rid, prompt, p)
+                ids.append(rid)
+            return self._run(ids)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [tok.encode(apply_chat_template(tok, conv, add_generation_prompt, chat_template),
+                              add_special_tokens=False) for conv in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r] for r in ids]

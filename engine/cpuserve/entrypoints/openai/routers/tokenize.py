@@ -1,0 +1,36 @@
+"""POST /tokenize and /detokenize (vLLM's utility endpoints)."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from cpuserve.entrypoints.openai.errors import APIError
+from cpuserve.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
+from cpuserve.entrypoints.openai.serving import server_state
+
+router = APIRouter()
+
+
+@router.post("/tokenize")
+async def tokenize(req: TokenizeRequest, request: Request):
+    st = server_state(request)
+    st.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "give exactly one of prompt or messages")
+    tok = st.tokenizer
+    if req.messages is not None:
+        text = tok.apply_chat_template([m.as_template_dict() for m in req.messages],
+                                       add_generation_prompt=req.add_generation_prompt)
+        ids = tok.encode(text, add_special_tokens=False)
+    else:
+        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    return {"tokens": ids, "count": len(ids), "max_model_len": st.engine.info.max_model_len}
+
+
+@router.post("/detokenize")
+async def detokenize(req: DetokenizeRequest, request: Request):
+    st = server_state(request)
+    st.check_model(req.model)
+    vocab = st.engine.info.vocab_size
+    if any(t < 0 or t >= vocab for t in req.tokens):
+        raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+    return {"prompt": st.tokenizer.decode(req.tokens)}

@@ -1,0 +1,125 @@
+"""What every generating route shares: the server's state, and one function that
+starts an engine request per prompt and either streams the result or gathers it,
+aborting the engine requests when the client goes away."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from cpuserve.core.sampling_params import SamplingParams
+from cpuserve.engine.async_engine import AsyncEngine, EngineDeadError, Overloaded, RequestRejected
+from cpuserve.engine.outputs import RequestOutput
+from cpuserve.entrypoints.openai.errors import APIError
+from cpuserve.entrypoints.openai.metrics import Metrics, RequestTimer
+from cpuserve.entrypoints.openai.streaming import first_then_rest, merge
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    served_model_name: str
+    metrics: Metrics
+    api_key: str | None = None
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer  # set once the engine core is ready
+
+    def check_model(self, name: str | None) -> None:
+        if name not in (None, "", self.served_model_name):
+            raise APIError(404, f"the model `{name}` does not exist (served: `{self.served_model_name}`)",
+                           "not_found_error", "model")
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def sampling_params(make: Callable[..., SamplingParams], *args) -> SamplingParams:
+    """A request's SamplingParams, or a 400 naming what is wrong with them."""
+    try:
+        return make(*args)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+Prompt = tuple[str | None, list[int], SamplingParams]
+
+
+async def generate(request: Request, prompts: list[Prompt], stream_fn, final_fn, stream: bool) -> Response:
+    """Starts one engine request per prompt. Streams through stream_fn(base_id, items),
+    or gathers every final output and answers final_fn(base_id, outputs)."""
+    st = server_state(request)
+    base = f"{request.state.request_id}-{uuid.uuid4().hex[:8]}"
+    for _, ids, params in prompts:
+        try:
+            st.engine.check(len(ids), params)
+        except RequestRejected as e:
+            raise APIError(400, str(e), param="prompt") from None
+    if st.engine.dead:
+        raise APIError(503, f"engine is not available: {st.engine.dead_reason}", "service_unavailable")
+    gens = [track(st, st.engine.generate(f"{base}-{i}", text, ids, params))
+            for i, (text, ids, params) in enumerate(prompts)]
+    if stream:
+        return StreamingResponse(stream_fn(base, await first_then_rest(gens)), media_type="text/event-stream")
+    final = await gather_unless_disconnected(request, gens)
+    if final is None:
+        return Response(status_code=499)
+    return JSONResponse(final_fn(base, [final[i] for i in range(len(gens))]))
+
+
+async def gather_unless_disconnected(request: Request, gens: list) -> dict[int, RequestOutput] | None:
+    """Every generator's last output, or None when the client went away first (the
+    generators are then cancelled, which aborts their engine requests)."""
+    final: dict[int, RequestOutput] = {}
+    watcher = asyncio.create_task(_watch_disconnect(request))
+    try:
+        collect = asyncio.create_task(_collect(merge(gens), final))
+        done, _ = await asyncio.wait({collect, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if collect not in done:
+            collect.cancel()
+            await asyncio.gather(collect, return_exceptions=True)
+            return None
+        collect.result()
+    finally:
+        watcher.cancel()
+    return final
+
+
+async def track(st: ServerState, gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """Passes outputs through, timing tokens for the metrics and turning engine
+    errors into API errors."""
+    timer = RequestTimer(st.metrics)
+    seen, last = 0, None
+    try:
+        async for out in gen:
+            n = sum(len(c.token_ids) for c in out.outputs)
+            if n > seen:
+                timer.token()
+                seen = n
+            last = out
+            yield out
+    except RequestRejected as e:
+        raise APIError(400, str(e), param="prompt") from None
+    except Overloaded as e:
+        raise APIError(503, str(e), "service_unavailable") from None
+    except EngineDeadError as e:
+        raise APIError(503, f"engine failed: {e}", "service_unavailable") from None
+    finally:
+        if last is not None and last.finished:
+            timer.finish([c.finish_reason for c in last.outputs])
+
+
+async def _watch_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.2)
+
+
+async def _collect(items, final: dict) -> None:
+    async for i, out in items:
+        final[i] = out

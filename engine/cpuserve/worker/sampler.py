@@ -1,0 +1,111 @@
+"""Turns the logits of the sequences that sample this step into next tokens.
+
+Order of operations (as vLLM): logit bias, min_tokens (EOS and stop ids masked),
+repetition / presence / frequency penalties, then greedy argmax, or temperature,
+top-k, top-p, min-p and a draw from the sequence's own generator. Logprobs are
+those of the raw model distribution (vLLM's default), with the top-N listed.
+"""
+from __future__ import annotations
+
+import torch
+
+from cpuserve.core.sequence import Sequence
+
+
+def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> None:
+    p = seq.params
+    if p.repetition_penalty != 1.0:
+        ids = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
+        vals = logits[ids]
+        logits[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+        counts = torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.long), minlength=logits.shape[0])
+        logits -= p.frequency_penalty * counts[: logits.shape[0]].float()
+        logits -= p.presence_penalty * (counts[: logits.shape[0]] > 0).float()
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """Extreme but valid parameters (a penalty of 1e-200, say) can overflow a logit:
+    +inf becomes the largest float, NaN impossible; no request may break sampling."""
+    big = torch.finfo(logits.dtype).max
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=big, neginf=float("-inf"))
+
+
+def _filtered_probs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor | None:
+    """The sampling distribution, or None when nothing is left to sample from."""
+    p = seq.params
+    logits = _finite(logits / p.temperature)
+    if p.top_k and p.top_k > 0 and p.top_k < logits.shape[0]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_p, dim=-1)
+        drop = (cum - sorted_p) > p.top_p   # keep the smallest prefix whose mass reaches top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    total = probs.sum()
+    if not torch.isfinite(total) or total <= 0:
+        return None
+    return probs / total
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: set[int]):
+        self.eos_token_ids = eos_token_ids
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict | None]]:
+        """logits [R, V] float32 for the R sampling sequences -> (token ids, logprobs dicts)."""
+        raw_logprobs = None
+        if any(s.params.logprobs is not None for s in seqs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        needs_processing = [self._processes(s) for s in seqs]
+        if any(needs_processing):
+            logits = logits.clone()
+        for i, seq in enumerate(seqs):
+            if needs_processing[i]:
+                self._process(logits[i], seq)
+                logits[i] = _finite(logits[i])
+
+        tokens = logits.argmax(dim=-1).tolist()  # greedy rows keep this
+        for i, seq in enumerate(seqs):
+            if not seq.params.greedy:
+                probs = _filtered_probs(logits[i], seq)
+                if probs is not None:  # else: every token masked out; keep the argmax
+                    tokens[i] = int(torch.multinomial(probs, 1, generator=seq.generator).item())
+
+        logprobs: list[dict | None] = []
+        for i, seq in enumerate(seqs):
+            n = seq.params.logprobs
+            if n is None:
+                logprobs.append(None)
+                continue
+            row = raw_logprobs[i]
+            entry = {tokens[i]: float(row[tokens[i]])}
+            if n > 0:
+                top = torch.topk(row, n)
+                for lp, tid in zip(top.values.tolist(), top.indices.tolist()):
+                    entry.setdefault(tid, lp)
+            logprobs.append(entry)
+        return tokens, logprobs
+
+    def _processes(self, seq: Sequence) -> bool:
+        p = seq.params
+        return bool(p.logit_bias or (p.min_tokens and seq.num_output_tokens < p.min_tokens)
+                    or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
+
+    def _process(self, row: torch.Tensor, seq: Sequence) -> None:
+        p = seq.params
+        if p.logit_bias:
+            for tid, bias in p.logit_bias.items():
+                if 0 <= int(tid) < row.shape[0]:
+                    row[int(tid)] += float(bias)
+        if p.min_tokens and seq.num_output_tokens < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+            for tid in banned:
+                if 0 <= tid < row.shape[0]:
+                    row[tid] = float("-inf")
+        _apply_penalties(row, seq)

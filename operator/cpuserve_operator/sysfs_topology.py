@@ -1,1 +1,0 @@
-../../engine/cpuserve/topology.py

@@ -1,0 +1,188 @@
+"""Errors in OpenAI's shape with the right status, never a 500; overload;
+cancellation on disconnect; a burst of concurrent streams; engine-core death."""
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+
+from cpuserve import SamplingParams
+from tests.engine.entrypoints.openai.conftest import Server
+
+
+def post(server, path, body, **kw):
+    return httpx.post(server.url + path, json=body, timeout=60, **kw)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "logprobs": 99}, "logprobs"),
+    ({"prompt": "x", "min_tokens": 9, "max_tokens": 2}, None),
+    ({"prompt": "x", "stop": [""]}, None),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, None),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[1, 2], []]}, "prompt"),
+    ({"prompt": [10 ** 9]}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"max_tokens": 3}, "prompt"),
+])
+def test_invalid_completion_requests_are_400(server, body, param):
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error"
+    if param:
+        assert param in (err["param"] or "") or param in err["message"]
+
+
+def test_invalid_chat_requests_are_400(server):
+    assert post(server, "/v1/chat/completions", {"messages": []}).status_code == 400
+    assert post(server, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}).status_code == 400
+    assert post(server, "/v1/chat/completions", {"messages": "hello"}).status_code == 400
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400
+
+
+def test_prompt_longer_than_context_is_400(server):
+    r = post(server, "/v1/completions", {"prompt": "hello " * 9000, "max_tokens": 4})
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+    r = post(server, "/v1/completions", {"prompt": "hello " * 9000, "max_tokens": 4, "stream": True})
+    assert r.status_code == 400
+
+
+def test_unknown_model_is_404(server):
+    r = post(server, "/v1/completions", {"model": "gpt-9", "prompt": "x"})
+    assert r.status_code == 404 and "gpt-9" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/no/such/route").status_code == 404
+
+
+def test_disconnect_cancels_and_frees_blocks(server):
+    body = {"prompt": "Count forever:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break  # leaving the block closes the connection
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        m = httpx.get(server.url + "/metrics").text
+        running = [ln for ln in m.splitlines() if ln.startswith("vllm:num_requests_running")]
+        usage = [ln for ln in m.splitlines() if ln.startswith("vllm:kv_cache_usage_perc")]
+        if float(running[0].split()[-1]) == 0 and float(usage[0].split()[-1]) == 0:
+            return
+        post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1})  # the core reports stats per step
+        time.sleep(0.3)
+    pytest.fail("the abandoned request kept running or kept its KV blocks")
+
+
+def test_burst_of_64_streams_matches_offline(server, llm_f32):
+    prompts = [f"Fact {i}: the number {i * 7} is" for i in range(64)]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    want = [o.outputs[0].text for o in llm_f32.generate(prompts, params)]
+
+    async def one(client, p):
+        text = ""
+        async with client.stream("POST", server.url + "/v1/completions",
+                                 json={"prompt": p, "max_tokens": 12, "temperature": 0, "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=300) as c:
+            return await asyncio.gather(*(one(c, p) for p in prompts))
+
+    assert asyncio.run(burst()) == want
+
+
+def test_api_key_and_overload():
+    s = Server("--api-key", "sekret", "--max-waiting-requests", "1")
+    try:
+        assert httpx.post(s.url + "/v1/completions", json={"prompt": "x"}).status_code == 401
+        ok = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                        headers={"Authorization": "Bearer sekret"})
+        assert ok.status_code == 200
+        assert httpx.get(s.url + "/health").status_code == 200  # not behind the key
+
+        async def flood():
+            async with httpx.AsyncClient(timeout=120, headers={"Authorization": "Bearer sekret"}) as c:
+                return await asyncio.gather(*(c.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 8})
+                                              for _ in range(16)))
+        codes = [r.status_code for r in asyncio.run(flood())]
+        assert set(codes) <= {200, 503} and 503 in codes and 200 in codes
+    finally:
+        s.stop()
+
+
+def test_engine_core_death_fails_requests_and_exits_nonzero():
+    s = Server()
+    try:
+        core = [p for p in psutil.Process(s.proc.pid).children(recursive=True)
+                if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
+        assert len(core) == 1
+
+        async def stream_then_kill():
+            async with httpx.AsyncClient(timeout=60) as c:
+                async with c.stream("POST", s.url + "/v1/completions",
+                                    json={"prompt": "Go on:", "max_tokens": 3000, "ignore_eos": True,
+                                          "stream": True}) as r:
+                    lines = []
+                    async for line in r.aiter_lines():
+                        lines.append(line)
+                        if len(lines) == 4:
+                            core[0].send_signal(signal.SIGKILL)
+                    return lines
+
+        try:
+            lines = asyncio.run(stream_then_kill())
+            assert any('"error"' in ln for ln in lines) or lines[-1] != "data: [DONE]"
+        except httpx.HTTPError:
+            pass  # the connection ended: also an end, not a hang
+        assert s.proc.wait(30) != 0
+    finally:
+        s.stop()
+
+
+def test_503_while_loading_then_ready():
+    """The port opens before the model is loaded; until then every route answers 503."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.engine.entrypoints.openai.conftest import free_port
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-m", "cpuserve", "serve", "--host", "127.0.0.1", "--port", str(port),
+                             "--dtype", "float32", "--kv-cache-space", "0.5"], stdout=log, stderr=subprocess.STDOUT)
+    seen = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                r = httpx.get(url + "/health", timeout=1)
+            except httpx.HTTPError:
+                time.sleep(0.05)
+                continue
+            seen.append(r.status_code)
+            if r.status_code == 503:
+                busy = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30)
+                if busy.status_code == 503:
+                    assert "loading" in busy.json()["error"]["message"]
+                else:  # loading finished between the two requests
+                    assert busy.status_code == 200 and httpx.get(url + "/health").status_code == 200
+            if r.status_code == 200:
+                break
+            time.sleep(0.05)
+        assert seen and seen[0] == 503 and seen[-1] == 200, seen
+    finally:
+        proc.terminate()
+        proc.wait(20)

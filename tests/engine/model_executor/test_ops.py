@@ -1,0 +1,180 @@
+"""Every native kernel against its torch reference (cpuserve.model_executor.ops_ref), on every ISA
+this CPU runs (the best vector path and the scalar fallback), random odd shapes,
+GQA ratios 1/4/8, block sizes 16/32/128 and every storage dtype."""
+import math
+
+import pytest
+import torch
+
+from cpuserve import _C
+from cpuserve.model_executor import ops_ref as ref
+from cpuserve.model_executor import ops
+
+ISAS = _C.available_isas()
+STORAGE = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(params=ISAS)
+def kern(request):
+    return _C.Kernels(request.param)
+
+
+def test_best_isa_is_default():
+    assert ops.KERNELS.isa == ISAS[0]
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 576), (7, 33), (3, 1000)])
+def test_rms_norm(kern, rows, dim):
+    torch.manual_seed(rows * dim)
+    x, w = torch.randn(rows, dim), torch.rand(dim) + 0.5
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5, k=kern), ref.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 576), (5, 37)])
+def test_fused_add_rms_norm(kern, rows, dim):
+    torch.manual_seed(dim)
+    x, r, w = torch.randn(rows, dim), torch.randn(rows, dim), torch.rand(dim)
+    want_x, want_r = ref.fused_add_rms_norm(x, r, w, 1e-6)
+    ops.fused_add_rms_norm(x, r, w, 1e-6, k=kern)
+    torch.testing.assert_close(r, want_r)
+    torch.testing.assert_close(x, want_x, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("head_dim,rot_dim", [(64, 64), (128, 64), (80, 80), (24, 24)])
+def test_rotary(kern, neox, head_dim, rot_dim):
+    torch.manual_seed(head_dim + rot_dim)
+    t, hq, hk, max_pos = 9, 6, 2, 100
+    qkv = torch.randn(t, (hq + 2 * hk) * head_dim)  # q and k are strided views, as in the models
+    q, k = qkv[:, : hq * head_dim], qkv[:, hq * head_dim:(hq + hk) * head_dim]
+    pos = torch.randint(0, max_pos, (t,))
+    inv = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2).float() / rot_dim))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    want_q, want_k = ref.rotary(q, pos, cos_sin, head_dim, neox), ref.rotary(k, pos, cos_sin, head_dim, neox)
+    ops.rotary(q, k, pos, cos_sin, head_dim, neox, k=kern)
+    torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, want_k, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t,d", [(1, 1536), (5, 37), (16, 64)])
+def test_silu_and_mul(kern, t, d):
+    x = torch.randn(t, 2 * d) * 4
+    torch.testing.assert_close(ops.silu_and_mul(x, k=kern), ref.silu_and_mul(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_gelu_and_mul(kern, approximate):
+    x = torch.randn(7, 2 * 45) * 3
+    torch.testing.assert_close(ops.gelu_and_mul(x, approximate, k=kern), ref.gelu_and_mul(x, approximate),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", STORAGE)
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+def test_reshape_and_cache(kern, dtype, block_size):
+    torch.manual_seed(block_size)
+    t, hk, d, nblocks = 13, 3, 40, 6
+    key, value = torch.randn(t, hk * d), torch.randn(t, hk * d)
+    slots = torch.randperm(nblocks * block_size)[:t]
+    slots[4] = -1  # padding slot: skipped
+    kc, vc = torch.zeros(nblocks, hk, block_size, d, dtype=dtype), torch.zeros(nblocks, hk, block_size, d, dtype=dtype)
+    kr, vr = kc.clone(), vc.clone()
+    ops.reshape_and_cache(key, value, kc, vc, slots, k=kern)
+    ref.reshape_and_cache(key, value, kr, vr, slots)
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+
+
+def _attention_case(dtype, block_size, group, head_dim, q_lens, ctx_lens, seed):
+    torch.manual_seed(seed)
+    hk = 2
+    hq = hk * group
+    nseq = len(q_lens)
+    max_blocks = max(math.ceil(c / block_size) for c in ctx_lens)
+    nblocks = nseq * max_blocks + 3
+    kc = torch.randn(nblocks, hk, block_size, head_dim).to(dtype)
+    vc = torch.randn(nblocks, hk, block_size, head_dim).to(dtype)
+    tables = torch.randperm(nblocks)[: nseq * max_blocks].view(nseq, max_blocks).int()
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), hq * head_dim)
+    return q, kc, vc, tables, torch.tensor(ctx_lens, dtype=torch.int32), qsl, hq
+
+
+@pytest.mark.parametrize("dtype", STORAGE)
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_paged_attention_mixed_batch(kern, dtype, block_size, group):
+    # a decode, a whole prefill, a prefill chunk on top of cached context, an odd long context
+    q_lens, ctx_lens = [1, 37, 20, 1], [70, 37, 150, 259]
+    q, kc, vc, tables, seq_lens, qsl, hq = _attention_case(dtype, block_size, group, 64, q_lens, ctx_lens, group)
+    scale = 64 ** -0.5
+    got = ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, hq, scale, k=kern)
+    want = ref.paged_attention(q, kc, vc, tables, seq_lens, qsl, hq, scale)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("window,softcap", [(16, 0.0), (50, 0.0), (0, 30.0)])
+def test_paged_attention_window_softcap(kern, window, softcap):
+    q, kc, vc, tables, seq_lens, qsl, hq = _attention_case(torch.float32, 16, 4, 80, [1, 33, 9], [90, 33, 100], 7)
+    got = ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, hq, 0.1, window, softcap, k=kern)
+    want = ref.paged_attention(q, kc, vc, tables, seq_lens, qsl, hq, 0.1, window, softcap)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("hq,hk,group,offset", [(5, 2, 3, 0), (4, 2, 3, 2), (1, 1, 3, 1), (7, 3, 4, 3)])
+def test_paged_attention_partial_groups(kern, hq, hk, group, offset):
+    """A tensor-parallel rank's slice of GQA: its query heads start inside a kv
+    head's group (SmolLM2's 9 q / 3 kv heads on two ranks: 5 + 4 query heads)."""
+    q_lens, ctx_lens = [1, 21, 1], [40, 21, 130]
+    q, kc, vc, tables, seq_lens, qsl, _ = _attention_case(torch.float32, 16, 1, 64, q_lens, ctx_lens, 5)
+    kc, vc = kc[:, :1].repeat(1, hk, 1, 1).contiguous(), vc[:, :1].repeat(1, hk, 1, 1).contiguous()
+    kc += torch.arange(hk).view(1, hk, 1, 1)  # kv heads distinguishable
+    q = torch.randn(q.shape[0], hq * 64)
+    got = ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, hq, 0.125, group=group, q_head_offset=offset, k=kern)
+    want = ref.paged_attention(q, kc, vc, tables, seq_lens, qsl, hq, 0.125, group=group, q_head_offset=offset)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_paged_attention_rejects_inconsistent_groups():
+    q, kc, vc, tables, seq_lens, qsl, _ = _attention_case(torch.float32, 16, 1, 64, [1], [10], 2)
+    with pytest.raises(ValueError, match="do not cover exactly"):
+        ops.paged_attention(torch.randn(1, 5 * 64), kc, vc, tables, seq_lens, qsl, 5, 0.1, group=2)
+
+
+def test_paged_attention_row_independent_of_chunking(kern):
+    """A query row gives bit-identical output whether its prompt is processed whole,
+    in chunks, or alone: the property batch invariance rests on."""
+    q, kc, vc, tables, _, _, hq = _attention_case(torch.float32, 16, 4, 64, [40], [40], 3)
+    whole = ops.paged_attention(q, kc, vc, tables, torch.tensor([40], dtype=torch.int32),
+                                torch.tensor([0, 40], dtype=torch.int32), hq, 0.125, k=kern)
+    parts = [ops.paged_attention(q[a:b], kc, vc, tables, torch.tensor([b], dtype=torch.int32),
+                                 torch.tensor([0, b - a], dtype=torch.int32), hq, 0.125, k=kern)
+             for a, b in [(0, 7), (7, 24), (24, 39), (39, 40)]]
+    assert torch.equal(whole, torch.cat(parts))
+
+
+@pytest.mark.parametrize("dtype", STORAGE)
+@pytest.mark.parametrize("m,n,k", [(1, 576, 576), (7, 100, 33), (64, 192, 576), (50, 49, 1536), (3, 1, 5)])
+def test_gemm(kern, dtype, m, n, k):
+    torch.manual_seed(m + n + k)
+    x, w, b = torch.randn(m, k), torch.randn(n, k).to(dtype), torch.randn(n)
+    got = ops.linear(x, ops.PackedWeight(w, k=kern), b, k=kern)
+    torch.testing.assert_close(got, ref.linear(x, w.float(), b), rtol=1e-4, atol=1e-4 * math.sqrt(k))
+
+
+def test_gemm_rows_independent_of_batch(kern):
+    torch.manual_seed(0)
+    x, w = torch.randn(67, 700), ops.PackedWeight(torch.randn(300, 700), k=kern)
+    full = ops.linear(x, w, k=kern)
+    for i in (0, 5, 66):
+        assert torch.equal(ops.linear(x[i:i + 1], w, k=kern), full[i:i + 1])
+    assert torch.equal(ops.linear(x[10:23], w, k=kern), full[10:23])
+
+
+def test_wrappers_reject_bad_input():
+    with pytest.raises(TypeError, match="float32"):
+        ops.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="features"):
+        ops.linear(torch.randn(2, 8), ops.PackedWeight(torch.randn(4, 9)))
+    with pytest.raises(TypeError, match="storage dtype"):
+        ops.PackedWeight(torch.randn(4, 9, dtype=torch.float64))

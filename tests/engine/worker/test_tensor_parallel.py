@@ -1,0 +1,52 @@
+"""Tensor parallelism on the real model: TP=2 (one core per rank on this
+machine) gives the same greedy tokens as TP=1 in float32; a dead rank stops the
+engine with an error naming it; a rank that cannot fit its NUMA node is refused.
+Each engine runs in its own process with the default `auto` binding."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cpuserve import SamplingParams
+from tests.engine.conftest import PROMPTS
+
+SCRIPT = str(Path(__file__).parent / "tp_script.py")
+
+
+def run(mode, tp, prompts=None, timeout=300):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    args = [sys.executable, SCRIPT, mode, str(tp)] + ([json.dumps(prompts)] if prompts is not None else [])
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line, r.stdout + r.stderr[-3000:]
+    return json.loads(line[7:]), r.stderr
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_tp2_greedy_tokens_equal_tp1(llm_f32):
+    want = [o.outputs[0].token_ids for o in
+            llm_f32.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))]
+    got, log = run("generate", 2, PROMPTS)
+    assert got["tokens"] == want
+    cpus = sorted(os.sched_getaffinity(0))
+    # one core per rank, each thread on its own CPU, memory bound to the node
+    assert [r["thread_cpus"] for r in got["ranks"]] == [[cpus[0]], [cpus[1]]]
+    assert all(r["membind"] == "bound to node 0" for r in got["ranks"])
+    assert all(calls > 0 and 0 <= wait <= secs for secs, calls, wait in got["comm"])  # both ranks took part
+
+
+def test_dead_rank_stops_the_engine():
+    got, _ = run("kill-rank", 2, PROMPTS[:2])
+    assert got["error"] is not None
+    assert "rank 1" in got["error"] and ("exited with code -9" in got["error"] or "has died" in got["error"])
+
+
+def test_rank_that_does_not_fit_its_node_is_refused():
+    got, _ = run("too-big", 2)
+    msg = got["error"]
+    assert "does not fit its NUMA node 0" in msg and "KV cache" in msg and "GiB" in msg
+    assert "VLLM_CPU_KVCACHE_SPACE" in msg

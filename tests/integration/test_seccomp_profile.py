@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = ROOT / "charts" / "cpuserve" / "files" / "seccomp-numa.json"
-RUNNER = str(ROOT / "tests" / "platform" / "seccomp_profile.py")
+RUNNER = str(ROOT / "tests" / "engine" / "platform" / "seccomp_profile.py")
 
 UNSHARE = """
 import ctypes, os

@@ -63,12 +63,17 @@ def test_unknown_model_is_404(server):
     assert httpx.get(server.url + "/no/such/route").status_code == 404
 
 
-def test_disconnect_cancels_and_frees_blocks(server):
-    body = {"prompt": "Count forever:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
-        for i, _ in enumerate(r.iter_lines()):
-            if i > 6:
-                break  # leaving the block closes the connection
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "non-streaming"])
+def test_disconnect_cancels_and_frees_blocks(server, stream):
+    body = {"prompt": "Count forever:", "max_tokens": 2000, "ignore_eos": True, "stream": stream}
+    if stream:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i > 6:
+                    break  # leaving the block closes the connection
+    else:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+            httpx.post(server.url + "/v1/completions", json=body, timeout=2)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         m = httpx.get(server.url + "/metrics").text

@@ -68,7 +68,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     import os
 
     from cpuserve.config import EngineConfig
-    from cpuserve.entrypoints.serve import run
+    from cpuserve.entrypoints.serve import ServeOptions, run
 
     kwargs = engine_kwargs(a)
     if kwargs["max_num_batched_tokens"] is None and a.enable_chunked_prefill:
@@ -78,7 +78,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
         kwargs["max_num_batched_tokens"] = SERVE_BATCHED_TOKENS
     config = EngineConfig(**kwargs, served_model_name=a.served_model_name)
     api_key = a.api_key or os.environ.get("CPUSERVE_API_KEY") or os.environ.get("VLLM_API_KEY")
-    return run(config, a.host, a.port, a.served_model_name, api_key, a.max_waiting_requests)
+    if a.max_request_body_bytes < 1:
+        raise SystemExit(f"--max-request-body-bytes must be >= 1, got {a.max_request_body_bytes}")
+    return run(config, ServeOptions(a.host, a.port, a.served_model_name, api_key, a.max_waiting_requests,
+                                    a.max_request_body_bytes))
 
 
 def cmd_topology(a: argparse.Namespace) -> int:
@@ -157,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--api-key", default=None, help="require this bearer token on /v1 (or CPUSERVE_API_KEY)")
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="queue bound: further requests get 503 until the queue drains")
+    s.add_argument("--max-request-body-bytes", type=int, default=16 << 20,
+                   help="larger request bodies get 413 before they are read (default 16 MiB)")
     s.set_defaults(func=cmd_serve)
     g = sub.add_parser("generate", help="generate offline for a few prompts")
     add_engine_args(g)

@@ -5,14 +5,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from dataclasses import dataclass
 
 from cpuserve.config import EngineConfig
 
 log = logging.getLogger("cpuserve.serve")
 
 
-async def serve(config: EngineConfig, host: str, port: int, served_model_name: str | None, api_key: str | None,
-                max_waiting_requests: int) -> int:
+@dataclass
+class ServeOptions:
+    """The HTTP side of `cpuserve serve` (the engine's knobs are in EngineConfig)."""
+    host: str = "0.0.0.0"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_waiting_requests: int = 1024      # queue bound: further requests get 503
+    max_request_body_bytes: int = 16 << 20  # larger bodies get 413 before they are parsed
+
+
+async def serve(config: EngineConfig, opts: ServeOptions) -> int:
     import uvicorn
 
     from cpuserve.entrypoints.openai.app import build_app
@@ -25,11 +36,11 @@ async def serve(config: EngineConfig, host: str, port: int, served_model_name: s
         if server is not None:
             server.should_exit = True
 
-    engine = AsyncEngine(config, max_waiting_requests, on_dead=on_dead)
-    name = served_model_name or ("smollm2" if config.model in (None, "", "default") else
+    engine = AsyncEngine(config, opts.max_waiting_requests, on_dead=on_dead)
+    name = opts.served_model_name or ("smollm2" if config.model in (None, "", "default") else
                                  config.model.rstrip("/").split("/")[-1])
-    app = build_app(engine, name, api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+    app = build_app(engine, name, opts.api_key, opts.max_request_body_bytes)
+    server = uvicorn.Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=5))
     # Listen from the start: /health and every route answer 503 until the model is loaded.
     serving = asyncio.create_task(server.serve())
@@ -41,7 +52,7 @@ async def serve(config: EngineConfig, host: str, port: int, served_model_name: s
         await serving
         await engine.shutdown()
         return 1
-    log.info("serving %s on http://%s:%d/v1", name, host, port)
+    log.info("serving %s on http://%s:%d/v1", name, opts.host, opts.port)
     try:
         await serving
     finally:
@@ -67,11 +78,10 @@ def prepare_platform(config: EngineConfig) -> None:
         log.info("API process pinned to reserved CPUs %s", format_cpulist(config.binding.reserved_cpus))
 
 
-def run(config: EngineConfig, host: str, port: int, served_model_name: str | None, api_key: str | None,
-        max_waiting_requests: int) -> int:
+def run(config: EngineConfig, opts: ServeOptions) -> int:
     prepare_platform(config)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        return asyncio.run(serve(config, host, port, served_model_name, api_key, max_waiting_requests))
+        return asyncio.run(serve(config, opts))
     except KeyboardInterrupt:
         return 0

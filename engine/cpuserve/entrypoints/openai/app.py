@@ -10,6 +10,7 @@ import time
 import uuid
 
 from fastapi import FastAPI
+from starlette.exceptions import HTTPException
 
 import cpuserve
 from cpuserve.engine.async_engine import AsyncEngine
@@ -25,10 +26,11 @@ ROUTERS = (models.router, completions.router, chat.router, tokenize.router, heal
 SERVED_WHILE_LOADING = ("/version", "/openapi.json", "/docs", "/metrics")
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+              max_body_bytes: int = 16 << 20) -> FastAPI:
     app = FastAPI(title="cpuserve", version=cpuserve.__version__)
     app.state.server = ServerState(engine, served_model_name, Metrics(served_model_name), api_key)
-    app.add_middleware(RequestContext, st=app.state.server)
+    app.add_middleware(RequestContext, st=app.state.server, max_body_bytes=max_body_bytes)
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
@@ -36,13 +38,13 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
 
 class RequestContext:
-    """Request ids (X-Request-Id in and out), the API key, 503 while loading, and one
-    log line per request. A plain ASGI middleware, not Starlette's BaseHTTPMiddleware:
-    that one hides the client's disconnect from the routes, so a non-streaming
-    request whose client gave up would keep generating."""
+    """Request ids (X-Request-Id in and out), the API key, 503 while loading, the body
+    size limit, and one log line per request. A plain ASGI middleware, not Starlette's
+    BaseHTTPMiddleware: that one hides the client's disconnect from the routes, so a
+    non-streaming request whose client gave up would keep generating."""
 
-    def __init__(self, app, st: ServerState):
-        self.app, self.st = app, st
+    def __init__(self, app, st: ServerState, max_body_bytes: int):
+        self.app, self.st, self.max_body = app, st, max_body_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -58,15 +60,36 @@ class RequestContext:
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode("latin-1"))]
             await send(message)
 
-        refusal = self.refusal(path, headers.get(b"authorization"))
+        refusal = self.refusal(path, headers.get(b"authorization"), headers.get(b"content-length"))
         if refusal is not None:
             await refusal(scope, receive, send_with_id)
         else:
-            await self.app(scope, receive, send_with_id)
+            await self.app(scope, self.limited(receive), send_with_id)
         log.info("request_id=%s method=%s path=%s status=%d duration_ms=%.1f", rid, scope["method"], path,
                  status[0], (time.monotonic() - t0) * 1e3)
 
-    def refusal(self, path: str, authorization: bytes | None):
+    def too_large(self) -> HTTPException:
+        return HTTPException(413, f"the request body exceeds {self.max_body} bytes (--max-request-body-bytes)")
+
+    def limited(self, receive):
+        """receive, counting body bytes: a body sent without a length (chunked) that grows
+        past the limit ends in the same 413, raised where the route reads it."""
+        seen = 0
+
+        async def receive_limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:
+                    raise self.too_large()
+            return message
+        return receive_limited
+
+    def refusal(self, path: str, authorization: bytes | None, content_length: bytes | None):
+        if content_length is not None and content_length.isdigit() and int(content_length) > self.max_body:
+            e = self.too_large()
+            return error_response(e.status_code, e.detail, "invalid_request_error")
         if self.st.api_key and path.startswith("/v1") and not hmac.compare_digest(
                 authorization or b"", f"Bearer {self.st.api_key}".encode()):  # constant time
             return error_response(401, "invalid or missing API key", "authentication_error")

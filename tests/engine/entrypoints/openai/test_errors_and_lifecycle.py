@@ -108,9 +108,17 @@ def test_burst_of_64_streams_matches_offline(server, llm_f32):
     assert asyncio.run(burst()) == want
 
 
-def test_api_key_and_overload():
-    s = Server("--api-key", "sekret", "--max-waiting-requests", "1")
+def test_api_key_overload_and_body_limit():
+    s = Server("--api-key", "sekret", "--max-waiting-requests", "1", "--max-request-body-bytes", "100000")
     try:
+        auth = {"Authorization": "Bearer sekret"}
+        big = {"prompt": "word " * 30000, "max_tokens": 1}  # ~150 kB
+        for content in (json.dumps(big).encode(),                            # with a content-length
+                        (json.dumps(big).encode()[i:i + 8192] for i in range(0, 150_100, 8192))):  # chunked
+            r = httpx.post(s.url + "/v1/completions", content=content, timeout=60,
+                           headers={**auth, "content-type": "application/json"})
+            assert r.status_code == 413 and "100000 bytes" in r.json()["error"]["message"], r.text
+        assert httpx.post(s.url + "/v1/completions", json=big, timeout=60).status_code == 413  # before the key check
         assert httpx.post(s.url + "/v1/completions", json={"prompt": "x"}).status_code == 401
         ok = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
                         headers={"Authorization": "Bearer sekret"})

@@ -1,6 +1,8 @@
 """POST /v1/chat/completions: the model's chat template, one conversation, n choices."""
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 
 from cpuserve.core.sampling_params import SamplingParams
@@ -18,7 +20,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     st = server_state(request)
     st.check_model(req.model)
     refuse_unsupported(req)
-    ids = render_conversation(req, st.tokenizer)
+    ids = await asyncio.to_thread(render_conversation, req, st.tokenizer)  # off the event loop
     max_tokens = req.max_completion_tokens or req.max_tokens
     if max_tokens is None:
         max_tokens = max(1, st.engine.info.max_model_len - len(ids))

@@ -1,6 +1,8 @@
 """POST /v1/completions: one or many prompts (text or token ids), n choices each."""
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 
 from cpuserve.core.sampling_params import SamplingParams
@@ -18,7 +20,7 @@ async def completions(req: CompletionRequest, request: Request):
     st = server_state(request)
     st.check_model(req.model)
     refuse_unsupported(req)
-    prompts = tokenize_prompts(req.prompt, st.tokenizer)
+    prompts = await asyncio.to_thread(tokenize_prompts, req.prompt, st.tokenizer)  # off the event loop
     params = sampling_params(req.sampling_params, req.max_tokens, req.logprobs)
     view = CompletionView(st, params, bool(req.stream_options and req.stream_options.include_usage))
     return await generate(request, [(t, ids, params) for t, ids in prompts], view.stream, view.final, req.stream)

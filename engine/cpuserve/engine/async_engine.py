@@ -116,6 +116,11 @@ class AsyncEngine:
             t.cancel()
         self._ctx.destroy(linger=0)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests started and not yet finished or aborted."""
+        return len(self._queues)
+
     # -- requests -------------------------------------------------------------------
     def check(self, prompt_len: int, params: SamplingParams) -> None:
         """Raises RequestRejected (a 400) for what can never be served."""

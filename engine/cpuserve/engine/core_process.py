@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import sys
 import traceback
 
@@ -24,6 +25,11 @@ READY, OUTPUTS, REJECTED, FATAL = "ready", "outputs", "rejected", "fatal"
 def run_engine_core(config, input_addr: str, output_addr: str) -> None:
     """Entry point of the spawned process: load, report READY (or FATAL), then loop."""
     import zmq
+
+    # The API process decides when to stop (SHUTDOWN, or its own exit): a SIGTERM or Ctrl-C
+    # sent to the whole process group must not kill the core under in-flight requests.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()

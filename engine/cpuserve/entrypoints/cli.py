@@ -80,8 +80,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     api_key = a.api_key or os.environ.get("CPUSERVE_API_KEY") or os.environ.get("VLLM_API_KEY")
     if a.max_request_body_bytes < 1:
         raise SystemExit(f"--max-request-body-bytes must be >= 1, got {a.max_request_body_bytes}")
+    if a.drain_timeout < 0:
+        raise SystemExit(f"--drain-timeout must be >= 0 seconds, got {a.drain_timeout}")
     return run(config, ServeOptions(a.host, a.port, a.served_model_name, api_key, a.max_waiting_requests,
-                                    a.max_request_body_bytes))
+                                    a.max_request_body_bytes, a.drain_timeout))
 
 
 def cmd_topology(a: argparse.Namespace) -> int:
@@ -162,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="queue bound: further requests get 503 until the queue drains")
     s.add_argument("--max-request-body-bytes", type=int, default=16 << 20,
                    help="larger request bodies get 413 before they are read (default 16 MiB)")
+    s.add_argument("--drain-timeout", type=float, default=25.0,
+                   help="on SIGTERM, seconds in-flight requests may take to finish while new ones get 503 "
+                        "(keep it below the pod's terminationGracePeriodSeconds)")
     s.set_defaults(func=cmd_serve)
     g = sub.add_parser("generate", help="generate offline for a few prompts")
     add_engine_args(g)

@@ -21,6 +21,37 @@ class ServeOptions:
     api_key: str | None = None
     max_waiting_requests: int = 1024      # queue bound: further requests get 503
     max_request_body_bytes: int = 16 << 20  # larger bodies get 413 before they are parsed
+    drain_timeout: float = 25.0           # after SIGTERM, at most this long for in-flight requests
+
+
+def draining_server(config, st, drain_timeout: float):
+    """A uvicorn server that drains on SIGTERM, as Kubernetes expects before its SIGKILL:
+    new requests (and /health, so readiness fails) get 503 while in-flight ones finish,
+    then it exits, after drain_timeout seconds at most. A second signal, or SIGINT, exits
+    at once."""
+    import time
+
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        deadline: float | None = None
+
+        def handle_exit(self, sig, frame) -> None:
+            if sig == signal.SIGTERM and self.deadline is None and st.engine.info is not None:
+                self.deadline = time.monotonic() + drain_timeout
+                st.draining = True  # handled here: nothing for uvicorn to re-raise afterwards
+                return
+            super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.deadline is not None and not self.should_exit:
+                left = st.engine.num_in_flight
+                if left == 0 or time.monotonic() > self.deadline:
+                    log.info("SIGTERM: drained, %d request(s) still in flight; exiting", left)
+                    self.should_exit = True
+            return await super().on_tick(counter)
+
+    return DrainingServer(config)
 
 
 async def serve(config: EngineConfig, opts: ServeOptions) -> int:
@@ -29,7 +60,7 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
     from cpuserve.entrypoints.openai.app import build_app
     from cpuserve.engine.async_engine import AsyncEngine
 
-    server: uvicorn.Server | None = None
+    server = None
 
     def on_dead(reason: str) -> None:
         log.error("shutting down: %s", reason)
@@ -40,8 +71,9 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
     name = opts.served_model_name or ("smollm2" if config.model in (None, "", "default") else
                                  config.model.rstrip("/").split("/")[-1])
     app = build_app(engine, name, opts.api_key, opts.max_request_body_bytes)
-    server = uvicorn.Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=5))
+    server = draining_server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning",
+                                            access_log=False, timeout_graceful_shutdown=5),
+                             app.state.server, opts.drain_timeout)
     # Listen from the start: /health and every route answer 503 until the model is loaded.
     serving = asyncio.create_task(server.serve())
     try:

@@ -29,6 +29,8 @@ def _die_with_parent() -> None:
 def main(argv: list[str]) -> int:
     address, rank = argv[0], int(argv[1])
     ppid = os.getppid()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 stops the ranks; they die with it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     if os.getppid() != ppid:  # the parent died before the signal was armed
         return 1

@@ -95,4 +95,6 @@ class RequestContext:
             return error_response(401, "invalid or missing API key", "authentication_error")
         if self.st.engine.info is None and path not in SERVED_WHILE_LOADING:
             return error_response(503, "the model is loading", "service_unavailable")
+        if self.st.draining and path not in SERVED_WHILE_LOADING:  # /health too: readiness fails
+            return error_response(503, "the server is shutting down", "service_unavailable")
         return None

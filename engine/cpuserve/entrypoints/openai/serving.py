@@ -25,6 +25,7 @@ class ServerState:
     served_model_name: str
     metrics: Metrics
     api_key: str | None = None
+    draining: bool = False  # after SIGTERM: in-flight requests finish, new ones get 503
 
     @property
     def tokenizer(self):

@@ -17,7 +17,7 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *args: str, env: dict | None = None):
+    def __init__(self, *args: str, env: dict | None = None, new_session: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         extra = env or {}
@@ -28,7 +28,8 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "cpuserve", "serve", "--host", "127.0.0.1", "--port",
                                       str(self.port), "--dtype", "float32", "--block-size", "16",
                                       "--kv-cache-space", "1", *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, text=True)
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, text=True,
+                                     start_new_session=new_session)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -2,6 +2,7 @@
 cancellation on disconnect; a burst of concurrent streams; engine-core death."""
 import asyncio
 import json
+import os
 import signal
 import time
 
@@ -199,3 +200,33 @@ def test_503_while_loading_then_ready():
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+def test_sigterm_to_the_process_group_drains():
+    """Kubernetes' stop: SIGTERM (here to the whole process group, engine core included).
+    The stream in flight finishes with its finish reason and [DONE]; new requests and
+    /health get 503 meanwhile; the server exits 0 and leaves no process behind."""
+    s = Server("--drain-timeout", "60", new_session=True)
+    try:
+        procs = [psutil.Process(s.proc.pid), *psutil.Process(s.proc.pid).children(recursive=True)]
+        body = {"prompt": "Count:", "max_tokens": 120, "ignore_eos": True, "stream": True}
+        chunks = []
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                if len(chunks) == 3:
+                    break
+            os.killpg(s.proc.pid, signal.SIGTERM)
+            time.sleep(0.3)
+            assert post(s, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 503
+            assert httpx.get(s.url + "/health").status_code == 503
+            rest = list(lines)
+        chunks += [json.loads(ln[6:]) for ln in rest if ln.startswith("data: {")]
+        assert rest[-1] == "data: [DONE]" or rest[-2:] == ["data: [DONE]", ""]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert s.proc.wait(30) == 0, s.output()[-3000:]
+        assert not [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        s.stop()

@@ -58,6 +58,16 @@ def test_prompt_longer_than_context_is_400(server):
     assert r.status_code == 400
 
 
+def test_hostile_bodies_are_400(server):
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b', "max_tokens": 1}'  # 100,000-deep nesting
+    r = httpx.post(server.url + "/v1/completions", content=deep, timeout=60, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"]
+    parts = [{"type": "text", "text": "hi "} for _ in range(10_000)]  # one message of 10,000 content parts
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": parts}], "max_tokens": 1})
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 def test_unknown_model_is_404(server):
     r = post(server, "/v1/completions", {"model": "gpt-9", "prompt": "x"})
     assert r.status_code == 404 and "gpt-9" in r.json()["error"]["message"]

@@ -95,7 +95,10 @@ def convert(path: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    reader = gguf.GGUFReader(str(path))
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - truncated or not GGUF at all: name the file
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: "
@@ -131,7 +134,11 @@ def converted_dir(path: str | os.PathLike) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=out.parent))
     try:
-        convert(path, tmp)
+        try:
+            convert(path, tmp)
+        except OSError as e:  # a full or read-only cache volume; nothing half-written is kept
+            raise OSError(e.errno, f"converting {path} into the cache {out.parent} failed: {e.strerror or e}; "
+                          "free space there or point CPUSERVE_CACHE at a writable volume") from None
         try:
             tmp.rename(out)  # atomic: a concurrent converter may have won the race
         except OSError:

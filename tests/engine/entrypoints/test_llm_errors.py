@@ -88,3 +88,38 @@ def test_isa_override_is_checked(monkeypatch):
         importlib.reload(ops)
     monkeypatch.delenv("CPUSERVE_ISA")
     importlib.reload(ops)
+
+
+def test_truncated_gguf_names_the_file(tmp_path, monkeypatch, model_path):
+    monkeypatch.setenv("CPUSERVE_CACHE", str(tmp_path / "cache"))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(model_path.read_bytes()[: 1 << 20])
+    with pytest.raises(ValueError, match=f"{cut}: not a readable GGUF file"):
+        LLM(str(cut))
+
+
+def test_truncated_safetensors_names_the_file(tmp_path, llm_f32):
+    src = llm_f32.engine.runner.model_dir
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (src / name).exists():
+            (tmp_path / name).write_bytes((src / name).read_bytes())
+    data = (src / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=f"{tmp_path / 'model.safetensors'}: truncated data"):
+        LLM(str(tmp_path), dtype="float32", kv_cache_space=0.1)
+
+
+def test_full_cache_disk_is_clear_and_leaves_nothing_behind(tmp_path, monkeypatch, model_path):
+    import errno
+
+    import safetensors.torch
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CPUSERVE_CACHE", str(cache))
+
+    def disk_full(*_, **__):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    with pytest.raises(OSError, match="into the cache .* failed: No space left on device; .*CPUSERVE_CACHE"):
+        LLM(str(model_path))
+    assert list((cache / "gguf").iterdir()) == []  # no half-written directory a later start could trust

@@ -5,6 +5,11 @@ from dataclasses import dataclass, field
 
 
 SAMPLING_EPS = 1e-5
+# Size limits of one request, named in the 400 a larger one gets.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass
@@ -72,6 +77,19 @@ class SamplingParams:
             for tok, b in self.logit_bias.items():
                 if not -100.0 <= float(b) <= 100.0:
                     bad(f"logit_bias values must be in [-100, 100], got {b} for token {tok}")
+        self._check_sizes(bad)
+
+    def _check_sizes(self, bad) -> None:
+        """Bounds on what a request may ask the sampler and the stop-string matcher to
+        carry each step (a streamed completion holds back len(longest stop) - 1 chars)."""
+        if len(self._stop) > MAX_STOP_STRINGS:
+            bad(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self._stop)}")
+        if any(len(s) > MAX_STOP_CHARS for s in self._stop):
+            bad(f"each stop string may be at most {MAX_STOP_CHARS} characters long")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
+            bad(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
 
     @property
     def stop_strings(self) -> list[str]:

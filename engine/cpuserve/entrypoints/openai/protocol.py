@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cpuserve.core.sampling_params import SamplingParams
 
@@ -15,9 +15,39 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
-    """Fields both endpoints share (OpenAI's plus vLLM's extras)."""
+def lone_surrogate(value) -> str | None:
+    """The path of the first string holding a lone UTF-16 surrogate (JSON allows the
+    escape "\\ud800"; no tokenizer or UTF-8 response can carry it), or None."""
+    stack = [("", value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")  # fails exactly on surrogates, at C speed
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(v, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), x) for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", x) for i, x in enumerate(v))
+    return None
+
+
+class RequestBody(BaseModel):
+    """Every request body: unknown fields ignored, text that is valid Unicode."""
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def no_lone_surrogates(cls, data):
+        where = lone_surrogate(data)
+        if where is not None:
+            raise ValueError(f"{where} holds a lone UTF-16 surrogate, which is not valid Unicode text")
+        return data
+
+
+class SamplingFields(RequestBody):
+    """Fields both endpoints share (OpenAI's plus vLLM's extras)."""
 
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
@@ -97,8 +127,7 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict | None = None
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -106,8 +135,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 

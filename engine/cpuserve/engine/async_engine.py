@@ -49,6 +49,30 @@ class ModelInfo:
     pid: int
 
 
+class Mailbox:
+    """The newest output of one request. Outputs are cumulative snapshots, so a slow
+    reader (a client reading its stream slowly) skips the ones it missed: a request
+    holds at most one unread output however far its reader falls behind. An error,
+    once put, stays and wins over later outputs."""
+
+    def __init__(self):
+        self._item = None
+        self._ready = asyncio.Event()
+
+    def put(self, item) -> None:
+        if not isinstance(self._item, Exception):
+            self._item = item
+            self._ready.set()
+
+    async def get(self):
+        await self._ready.wait()
+        item = self._item
+        if not isinstance(item, Exception):
+            self._item = None
+            self._ready.clear()
+        return item
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig, max_waiting_requests: int = 1024, on_dead=None):
         self.config = config
@@ -60,7 +84,7 @@ class AsyncEngine:
         self.stats = CoreStats()
         self.dead = False
         self.dead_reason = ""
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, Mailbox] = {}
         self._unscheduled = 0  # requests sent since the last stats snapshot
         self.listeners = []    # callables(RequestOutput, CoreStats) for metrics
 
@@ -141,7 +165,7 @@ class AsyncEngine:
         if prompt_token_ids and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.info.vocab_size):
             raise RequestRejected(f"prompt token ids must be in [0, {self.info.vocab_size})")
         self.check(len(prompt_token_ids), params)
-        q: asyncio.Queue = asyncio.Queue()
+        q = Mailbox()
         self._queues[request_id] = q
         self.output.add_request(request_id, prompt, prompt_token_ids, params)
         finished = False
@@ -180,7 +204,7 @@ class AsyncEngine:
                 for ro in results:
                     q = self._queues.get(ro.request_id)
                     if q is not None:
-                        q.put_nowait(ro)
+                        q.put(ro)
                     for listener in self.listeners:
                         listener(ro, outputs)
             elif kind == cp.REJECTED:
@@ -188,7 +212,7 @@ class AsyncEngine:
                 self.output.abort_request(rid)
                 q = self._queues.get(rid)
                 if q is not None:
-                    q.put_nowait(RequestRejected(msg))
+                    q.put(RequestRejected(msg))
             elif kind == cp.FATAL:
                 self._die(f"engine core failed: {payload[0].strip().splitlines()[-1]}")
                 log.error("engine core failed:\n%s", payload[0])
@@ -205,6 +229,6 @@ class AsyncEngine:
         self.dead, self.dead_reason = True, reason
         log.error("%s: failing %d in-flight requests", reason, len(self._queues))
         for q in self._queues.values():
-            q.put_nowait(EngineDeadError(reason))
+            q.put(EngineDeadError(reason))
         if self.on_dead is not None:
             self.on_dead(reason)

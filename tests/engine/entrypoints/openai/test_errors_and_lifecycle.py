@@ -130,6 +130,10 @@ def test_api_key_overload_and_body_limit():
                            headers={**auth, "content-type": "application/json"})
             assert r.status_code == 413 and "100000 bytes" in r.json()["error"]["message"], r.text
         assert httpx.post(s.url + "/v1/completions", json=big, timeout=60).status_code == 413  # before the key check
+        marker = "PROMPT-MARKER-7d1c"  # neither prompt text nor the key reaches the logs at the default level
+        assert httpx.post(s.url + "/v1/completions", json={"prompt": marker, "max_tokens": 2}, headers=auth,
+                          timeout=60).status_code == 200
+        assert marker not in s.output() and "sekret" not in s.output()
         assert httpx.post(s.url + "/v1/completions", json={"prompt": "x"}).status_code == 401
         ok = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
                         headers={"Authorization": "Bearer sekret"})
@@ -287,3 +291,39 @@ def test_adversarial_unicode_in_prompts_and_stop_strings(server, text):
                    headers={"content-type": "application/json"})
     assert r.status_code in (200, 400), r.text[:300]
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_slow_stream_reader_gets_every_token(server):
+    """A client that reads its stream slowly. Once the socket buffers are full the
+    server's writes wait, and the engine's outputs for the request coalesce (one
+    unread snapshot per request, tests/engine/engine/test_mailbox.py); whatever the
+    chunking, the text and the token count are exactly those of a fast reader."""
+    body = {"prompt": "Once upon a time", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    want = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    text = ""
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True,
+                      "stream_options": {"include_usage": True}}, timeout=120) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            obj = json.loads(line[6:])
+            if obj["choices"]:
+                text += obj["choices"][0]["text"]
+                time.sleep(0.2)  # far slower than the engine's steps
+            else:
+                usage = obj["usage"]
+    assert text == want and usage["completion_tokens"] == 60
+
+
+def test_sigkill_of_the_api_process_takes_the_engine_core_down():
+    """The API process killed outright (OOM killer, SIGKILL): the engine core and
+    multiprocessing's helper notice their parent is gone and exit within seconds."""
+    s = Server(new_session=True)
+    try:
+        children = psutil.Process(s.proc.pid).children(recursive=True)
+        assert any("spawn_main" in " ".join(c.cmdline()) for c in children)
+        s.proc.kill()
+        _, alive = psutil.wait_procs(children, timeout=20)
+        assert not [(p.pid, p.name()) for p in alive]
+    finally:
+        s.stop()

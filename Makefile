@@ -25,7 +25,7 @@ ENVTEST_K8S := 1.36.3
 KUBEBUILDER_ASSETS ?= $(HOME)/.cache/cpuserve-envtest/$(ENVTEST_K8S)/bin
 export KUBEBUILDER_ASSETS
 
-.PHONY: install install-operator docs run test test-python test-operator envtest test-kernels-cpp test-kernels-cross bench clean
+.PHONY: install install-operator docs soak run test test-python test-operator envtest test-kernels-cpp test-kernels-cross bench clean
 
 install: $(STAMP)
 
@@ -93,6 +93,11 @@ bench: install
 	$(PY) benchmarks/offline_throughput.py
 	$(PY) benchmarks/serving.py
 	$(PY) benchmarks/tensor_parallel.py
+
+# The soak drill: 20 minutes of mixed traffic at twice the sustainable rate (CI runs 2 minutes of it).
+SOAK_MINUTES ?= 20
+soak: install
+	$(PY) -m tests.engine.entrypoints.openai.soak --minutes $(SOAK_MINUTES) --out docs/reliability/soak.json
 
 # The architecture pictures (Graphviz: apt-get install graphviz).
 docs: docs/architecture/request.svg docs/architecture/operator.svg

@@ -61,12 +61,14 @@ class RequestContext:
             await send(message)
 
         refusal = self.refusal(path, headers.get(b"authorization"), headers.get(b"content-length"))
-        if refusal is not None:
-            await refusal(scope, receive, send_with_id)
-        else:
-            await self.app(scope, self.limited(receive), send_with_id)
-        log.info("request_id=%s method=%s path=%s status=%d duration_ms=%.1f", rid, scope["method"], path,
-                 status[0], (time.monotonic() - t0) * 1e3)
+        try:
+            if refusal is not None:
+                await refusal(scope, receive, send_with_id)
+            else:
+                await self.app(scope, self.limited(receive), send_with_id)
+        finally:  # a request that failed or was cancelled is logged too (status 0: nothing was sent)
+            log.info("request_id=%s method=%s path=%s status=%d duration_ms=%.1f", rid, scope["method"], path,
+                     status[0], (time.monotonic() - t0) * 1e3)
 
     def too_large(self) -> HTTPException:
         return HTTPException(413, f"the request body exceeds {self.max_body} bytes (--max-request-body-bytes)")

@@ -52,15 +52,16 @@ class ModelInfo:
 class Mailbox:
     """The newest output of one request. Outputs are cumulative snapshots, so a slow
     reader (a client reading its stream slowly) skips the ones it missed: a request
-    holds at most one unread output however far its reader falls behind. An error,
-    once put, stays and wins over later outputs."""
+    holds at most one unread output however far its reader falls behind. Nothing
+    replaces an unread final output, nor an error (which stays until read, and wins
+    over later outputs)."""
 
     def __init__(self):
         self._item = None
         self._ready = asyncio.Event()
 
     def put(self, item) -> None:
-        if not isinstance(self._item, Exception):
+        if not isinstance(self._item, Exception) and not getattr(self._item, "finished", False):
             self._item = item
             self._ready.set()
 

@@ -1,6 +1,8 @@
 """A request's mailbox keeps only the newest output: a slow reader costs one unread
-snapshot, not one per step; an error stays until read, and wins."""
+snapshot, not one per step; an error stays until read, and wins; an unread final
+output is never replaced (not even by an error: the request did complete)."""
 import asyncio
+from types import SimpleNamespace
 
 from cpuserve.engine.async_engine import Mailbox
 
@@ -35,3 +37,15 @@ def test_a_waiting_reader_wakes_up():
         box.put("out")
         return await asyncio.wait_for(reader, 5)
     assert asyncio.run(run()) == "out"
+
+
+def test_an_unread_final_output_is_kept():
+    async def run():
+        box = Mailbox()
+        box.put(SimpleNamespace(finished=False))
+        final = SimpleNamespace(finished=True)
+        box.put(final)
+        box.put(RuntimeError("engine died after the request finished"))
+        return final, await box.get()
+    final, got = asyncio.run(run())
+    assert got is final

@@ -54,6 +54,47 @@ def unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# Multi-byte fields inside each quantized block, as (offset, width) in bytes, and the
+# block size. GGUF stores them in the file's byte order (little-endian but for files
+# converted on big-endian machines); numpy's dequantizers read them in the host's.
+BLOCK_FIELDS = {
+    "BF16": (2, ((0, 2),)),
+    "Q4_0": (18, ((0, 2),)),
+    "Q4_1": (20, ((0, 2), (2, 2))),
+    "Q5_0": (22, ((0, 2), (2, 4))),
+    "Q5_1": (24, ((0, 2), (2, 2), (4, 4))),
+    "Q8_0": (34, ((0, 2),)),
+    "Q2_K": (84, ((80, 2), (82, 2))),
+    "Q3_K": (110, ((108, 2),)),
+    "Q4_K": (144, ((0, 2), (2, 2))),
+    "Q5_K": (176, ((0, 2), (2, 2))),
+    "Q6_K": (210, ((208, 2),)),
+}
+
+
+def swap_block_fields(raw: np.ndarray, type_name: str) -> np.ndarray:
+    """A copy of raw quantized blocks with every multi-byte field byte-swapped."""
+    if type_name not in BLOCK_FIELDS:
+        raise ValueError(f"GGUF tensors of type {type_name} in the other byte order than this machine's are not "
+                         f"supported (supported: F32, F16, {', '.join(BLOCK_FIELDS)})")
+    size, fields = BLOCK_FIELDS[type_name]
+    blocks = np.array(raw, dtype=np.uint8).reshape(-1, size)
+    for off, width in fields:
+        blocks[:, off:off + width] = blocks[:, off:off + width][:, ::-1]
+    return blocks.reshape(np.shape(raw))
+
+
+def dequantize(data: np.ndarray, qtype, swapped: bool) -> np.ndarray:
+    """float32 values of one tensor; `swapped`: the file's byte order is not the host's."""
+    import gguf
+
+    if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        return np.array(data, dtype=np.float32)  # the reader's dtype already carries the file's order
+    if swapped:
+        data = swap_block_fields(data, qtype.name)
+    return np.array(gguf.quants.dequantize(data, qtype), dtype=np.float32)
+
+
 def _field(reader, key, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()
@@ -93,7 +134,8 @@ def _config(reader, arch: str, tensor_names: set[str]) -> dict:
 def convert(path: Path, out: Path) -> None:
     import gguf
     from safetensors.torch import save_file
-    from transformers import AutoTokenizer
+
+    from cpuserve.loading.gguf_tokenizer import write_tokenizer
 
     try:
         reader = gguf.GGUFReader(str(path))
@@ -110,7 +152,7 @@ def convert(path: Path, out: Path) -> None:
         name = hf_name(t.name)
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists ne0 (columns) first
         # a writable copy: the reader's arrays are views of the read-only memory map
-        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(shape)
+        w = torch.from_numpy(dequantize(t.data, t.tensor_type, reader.byte_order == "S")).reshape(shape)
         if arch == "llama" and name.endswith("q_proj.weight"):
             w = unpermute_rotary(w, cfg["num_attention_heads"])
         elif arch == "llama" and name.endswith("k_proj.weight"):
@@ -118,8 +160,7 @@ def convert(path: Path, out: Path) -> None:
         tensors[name] = w.contiguous()
     save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tok.save_pretrained(str(out))
+    write_tokenizer(reader, path, out)
     (out / "cpuserve_source.json").write_text(json.dumps({"gguf": str(path)}))
 
 
@@ -127,7 +168,7 @@ def converted_dir(path: str | os.PathLike) -> Path:
     """The cached Hugging Face directory for a GGUF file, converting it on first use."""
     path = Path(path).resolve()
     st = path.stat()
-    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|v1".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|v2".encode()).hexdigest()[:16]
     out = cache_root() / "gguf" / f"{path.stem}-{key}"
     if (out / "config.json").exists():
         return out

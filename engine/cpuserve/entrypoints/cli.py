@@ -58,6 +58,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
         llm.generate(prompts, params)
     dt = time.perf_counter() - t1
     n = sum(len(o.outputs[0].token_ids) for o in outs)
+    if a.json:
+        import json
+        print(json.dumps([{"prompt": p, "token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text}
+                          for p, o in zip(prompts, outs)]))
+        return 0
     for p, o in zip(prompts, outs):
         print(f">>> {p}\n{o.outputs[0].text}\n")
     print(f"# {n} tokens in {dt:.2f}s", file=sys.stderr)
@@ -123,6 +128,26 @@ def cmd_topology(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_selftest(a: argparse.Namespace) -> int:
+    import json
+    import platform
+
+    from cpuserve import _C
+    from cpuserve.model_executor.selftest import format_checks, run
+
+    checks = run(a.isa or None)
+    if a.json:
+        print(json.dumps({"arch": platform.machine(), "isas": _C.available_isas(),
+                          "checks": [dict(c.__dict__, ok=c.ok) for c in checks]}))
+    else:
+        print(f"{platform.machine()}: ISAs {', '.join(_C.available_isas())}")
+        print(format_checks(checks))
+    failed = [c for c in checks if not c.ok]
+    if failed:
+        print(f"cpuserve selftest: {len(failed)} of {len(checks)} checks FAILED", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def _probe_membind() -> tuple[bool, str]:
     from cpuserve.platform.pinning import probe_membind
 
@@ -175,7 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap prompts in the model's chat template")
+    g.add_argument("--json", action="store_true", help="print prompts, token ids and texts as JSON")
     g.set_defaults(func=cmd_generate)
+    st = sub.add_parser("selftest", help="check every native kernel on every ISA of this CPU against torch")
+    st.add_argument("--isa", action="append", help="only this ISA (repeatable); default: all available")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.set_defaults(func=cmd_selftest)
     t = sub.add_parser("topology", help="show NUMA nodes, cores, memory, ISA and the thread/memory binding plan")
     t.add_argument("--json", action="store_true", help="machine-readable output")
     t.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="plan the binding for this many ranks")

@@ -42,7 +42,8 @@ def tensor_bytes(root) -> int:
             continue
         seen_obj.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            st = obj.untyped_storage()
+            # torch < 2.0 (Debian's 1.13 in the images) has no Tensor.untyped_storage
+            st = obj.untyped_storage() if hasattr(obj, "untyped_storage") else obj.storage().untyped()
             if st.data_ptr() not in seen_storage:
                 seen_storage.add(st.data_ptr())
                 total += st.nbytes()

@@ -1,0 +1,11 @@
+# Cross toolchain for the AVX2/AVX-512 paths from an arm64 build machine (Debian g++-x86-64-linux-gnu); tests run under qemu-x86_64-static.
+set(CMAKE_SYSTEM_NAME Linux)
+set(CMAKE_SYSTEM_PROCESSOR x86_64)
+set(CMAKE_CXX_COMPILER x86_64-linux-gnu-g++)
+set(CMAKE_C_COMPILER x86_64-linux-gnu-gcc)
+set(CMAKE_FIND_ROOT_PATH /usr/x86_64-linux-gnu)
+set(CMAKE_FIND_ROOT_PATH_MODE_PROGRAM NEVER)
+set(CMAKE_FIND_ROOT_PATH_MODE_LIBRARY ONLY)
+set(CMAKE_FIND_ROOT_PATH_MODE_INCLUDE ONLY)
+set(CMAKE_FIND_ROOT_PATH_MODE_PACKAGE ONLY)
+set(CPUSERVE_TEST_LAUNCHER qemu-x86_64-static -L /usr/x86_64-linux-gnu)

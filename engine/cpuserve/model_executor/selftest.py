@@ -1,0 +1,100 @@
+"""`cpuserve selftest`: every native kernel on every ISA this CPU runs (the best
+vector path and the scalar fallback), against its torch reference (ops_ref), on
+random inputs. It is what an image runs to prove its ISA paths right on the
+machine (or emulator) it lands on; tests/engine/model_executor/test_ops.py is
+the exhaustive version of the same comparison."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from cpuserve import _C
+from cpuserve.model_executor import ops
+from cpuserve.model_executor import ops_ref as ref
+
+
+@dataclass(frozen=True)
+class Check:
+    isa: str
+    kernel: str
+    dtype: str
+    max_err: float
+    tol: float
+
+    @property
+    def ok(self) -> bool:
+        return self.max_err <= self.tol  # NaN fails
+
+
+def _err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).abs().max())
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return _err(got, want) / max(float(want.double().abs().max()), 1e-30)
+
+
+def _elementwise(k) -> list[tuple[str, str, float, float]]:
+    x, w = torch.randn(7, 577), torch.rand(577) + 0.5
+    out = [("rms_norm", "float32", _err(ops.rms_norm(x, w, 1e-5, k=k), ref.rms_norm(x, w, 1e-5)), 1e-4)]
+    g = torch.randn(5, 2 * 301) * 4
+    out.append(("silu_and_mul", "float32", _err(ops.silu_and_mul(g, k=k), ref.silu_and_mul(g)), 1e-4))
+    qk = torch.randn(9, 8 * 64)
+    q, key = qk[:, :6 * 64], qk[:, 6 * 64:]
+    pos = torch.randint(0, 50, (9,))
+    freqs = torch.outer(torch.arange(50).float(), 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)))
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    want = ref.rotary(q, pos, cos_sin, 64, True)
+    ops.rotary(q, key, pos, cos_sin, 64, True, k=k)
+    out.append(("rotary", "float32", _err(q, want), 1e-4))
+    return out
+
+
+def _attention(k, dtype: torch.dtype) -> list[tuple[str, str, float, float]]:
+    hk, group, d, bs, nblocks = 2, 3, 64, 16, 12
+    kc = torch.zeros(nblocks, hk, bs, d, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    kr, vr = kc.clone(), vc.clone()
+    ctx, t = 37, 37
+    key, value = torch.randn(t, hk * d), torch.randn(t, hk * d)
+    table = torch.randperm(nblocks)[:math.ceil(ctx / bs)].int()
+    slots = torch.tensor([int(table[i // bs]) * bs + i % bs for i in range(t)])
+    ops.reshape_and_cache(key, value, kc, vc, slots, k=k)
+    ref.reshape_and_cache(key, value, kr, vr, slots)
+    cache_err = max(_err(kc, kr), _err(vc, vr))
+    q = torch.randn(5, hk * group * d)  # the last 5 positions, as a chunked prefill
+    args = (kc, vc, table.view(1, -1), torch.tensor([ctx], dtype=torch.int32),
+            torch.tensor([0, 5], dtype=torch.int32), hk * group, d ** -0.5)
+    got, want = ops.paged_attention(q, *args, k=k), ref.paged_attention(q, *args)
+    name = str(dtype).replace("torch.", "")
+    return [("reshape_and_cache", name, cache_err, 0.0), ("paged_attention", name, _err(got, want), 1e-4)]
+
+
+def _linear(k, dtype: torch.dtype) -> tuple[str, str, float, float]:
+    x, w, b = torch.randn(9, 300), torch.randn(131, 300).to(dtype), torch.randn(131)
+    got = ops.linear(x, ops.PackedWeight(w, k=k), b, k=k)
+    return "linear", str(dtype).replace("torch.", ""), _rel_err(got, ref.linear(x, w.float(), b)), 1e-5
+
+
+def run(isas: list[str] | None = None, seed: int = 0) -> list[Check]:
+    from cpuserve.platform.isa import supported_dtypes
+
+    checks = []
+    for isa in isas or _C.available_isas():
+        torch.manual_seed(seed)
+        k = _C.Kernels(isa)
+        rows = _elementwise(k)
+        for dtype in supported_dtypes():
+            rows += _attention(k, dtype)
+            rows.append(_linear(k, dtype))
+        checks += [Check(isa, *row) for row in rows]
+    return checks
+
+
+def format_checks(checks: list[Check]) -> str:
+    lines = [f"{'isa':<8} {'kernel':<18} {'dtype':<9} {'max error':>10} {'tolerance':>10}  result"]
+    lines += [f"{c.isa:<8} {c.kernel:<18} {c.dtype:<9} {c.max_err:>10.2e} {c.tol:>10.0e}  {'ok' if c.ok else 'FAIL'}"
+              for c in checks]
+    return "\n".join(lines)

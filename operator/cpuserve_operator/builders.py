@@ -69,8 +69,9 @@ def build_pod(cr: dict, spec: ServerSpec, p: Placement) -> dict:
         seccomp["localhostProfile"] = spec.seccomp_localhost
     shm = SHM_BYTES_PER_RANK * spec.ranks + (64 << 20)
     volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(shm)}},
-               {"name": "cache", "emptyDir": {}}]
-    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "cache", "mountPath": "/var/cache/cpuserve"}]
+               {"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "cache", "mountPath": "/var/cache/cpuserve"},
+              {"name": "tmp", "mountPath": "/tmp"}]
     if spec.model_source.startswith("pvc://"):
         claim = spec.model_source[len("pvc://"):].partition("/")[0]
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
@@ -96,7 +97,10 @@ def build_pod(cr: dict, spec: ServerSpec, p: Placement) -> dict:
                              **{f"cpuserve.dev/isa.{flag}": "true" for flag in spec.required_isa}},
             "restartPolicy": "Always",
             "terminationGracePeriodSeconds": 30,
-            "securityContext": {"seccompProfile": seccomp},
+            # the engine image's user; the root filesystem stays read-only (cache and /tmp are volumes)
+            "securityContext": {"seccompProfile": seccomp, "runAsNonRoot": True, "runAsUser": 1000,
+                                "runAsGroup": 1000, "fsGroup": 1000},
+            **({"imagePullSecrets": [{"name": s} for s in spec.pull_secrets]} if spec.pull_secrets else {}),
             "containers": [{
                 "name": "engine",
                 "image": spec.image,
@@ -106,7 +110,8 @@ def build_pod(cr: dict, spec: ServerSpec, p: Placement) -> dict:
                 "env": engine_env(spec, p),
                 "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
                 "resources": {"requests": dict(resources), "limits": dict(resources)},  # Guaranteed QoS
-                "securityContext": {"capabilities": {"add": ["SYS_NICE"]}, "allowPrivilegeEscalation": False},
+                "securityContext": {"capabilities": {"add": ["SYS_NICE"]}, "allowPrivilegeEscalation": False,
+                                    "readOnlyRootFilesystem": True},
                 "startupProbe": _probe("http", periodSeconds=5, failureThreshold=120, timeoutSeconds=3),
                 "readinessProbe": _probe("http", periodSeconds=5, failureThreshold=2, timeoutSeconds=3),
                 "livenessProbe": _probe("http", periodSeconds=10, failureThreshold=3, timeoutSeconds=5),

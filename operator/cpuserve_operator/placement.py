@@ -68,6 +68,7 @@ class ServerSpec:
     seccomp_localhost: str | None
     replicas: int
     image: str
+    pull_secrets: tuple[str, ...]
     pull_policy: str
     service_type: str
     port: int
@@ -81,12 +82,25 @@ class ServerSpec:
         """What the pods are built from (not replicas, service or ingress): a change rolls the pods."""
         keys = ("model_source", "served_name", "size_gib", "dtype", "kv_cache_gib", "overhead_gib", "max_num_seqs",
                 "max_model_len", "extra_args", "strategy", "tp", "reserved_cpus", "pinning", "required_isa",
-                "node_selector", "seccomp_type", "seccomp_localhost", "image", "pull_policy", "port")
+                "node_selector", "seccomp_type", "seccomp_localhost", "image", "pull_secrets", "pull_policy", "port")
         blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True, default=list)
         return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
 
-def parse_spec(name: str, spec: dict) -> ServerSpec:
+DEFAULT_ENGINE_IMAGE = "ghcr.io/cpuserve/cpuserve-engine:0.1.0"
+
+
+def engine_image(img: dict, default: str) -> str:
+    """The CR's image.repository[:tag], else the operator's default (the chart sets it to
+    the engine image of its appVersion). A tag without a repository retags the default."""
+    repo, tag = img.get("repository"), img.get("tag")
+    if not repo:
+        base = default.rsplit(":", 1)[0] if ":" in default.rsplit("/", 1)[-1] else default
+        return f"{base}:{tag}" if tag else default
+    return f"{repo}:{tag}" if tag else repo
+
+
+def parse_spec(name: str, spec: dict, default_image: str = DEFAULT_ENGINE_IMAGE) -> ServerSpec:
     """The CR's spec with the CRD's defaults filled in (the API server applies them
     too; filling them here keeps the planner usable on partial objects in tests)."""
     m, e, p = spec.get("model", {}), spec.get("engine", {}), spec.get("placement", {})
@@ -102,7 +116,7 @@ def parse_spec(name: str, spec: dict) -> ServerSpec:
         required_isa=tuple(p.get("requiredISA", [])), node_selector=dict(p.get("nodeSelector", {})),
         seccomp_type=sec.get("type", "Unconfined"), seccomp_localhost=sec.get("localhostProfile"),
         replicas=int(spec.get("replicas", 1)),
-        image=f"{img.get('repository', 'ghcr.io/cpuserve/engine')}:{img.get('tag', 'latest')}",
+        image=engine_image(img, default_image), pull_secrets=tuple(img.get("pullSecrets", [])),
         pull_policy=img.get("pullPolicy", "IfNotPresent"), service_type=svc.get("type", "ClusterIP"),
         port=int(svc.get("port", 8000)), ingress=ing)
 

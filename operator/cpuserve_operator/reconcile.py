@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 import threading
 import time
 
@@ -13,10 +14,12 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from cpuserve_operator import builders as b
-from cpuserve_operator.placement import Slot, node_from_api, parse_spec, plan
+from cpuserve_operator.placement import DEFAULT_ENGINE_IMAGE, Slot, node_from_api, parse_spec, plan
 
 log = logging.getLogger("cpuserve_operator")
 
+# the engine image a CPUModelServer gets when it names none (the chart: its appVersion's image)
+ENGINE_IMAGE = os.environ.get("CPUSERVE_ENGINE_IMAGE") or DEFAULT_ENGINE_IMAGE
 REJECTED_REASONS = ("OutOfcpu", "OutOfmemory", "TopologyAffinityError", "Evicted", "NodeAffinity", "UnexpectedAdmissionError")
 BACKOFF_BASE_S, BACKOFF_MAX_S = 5.0, 300.0
 
@@ -66,7 +69,7 @@ def _reconcile(ns: str, name: str, api: client.ApiClient) -> None:
         raise
     if cr["metadata"].get("deletionTimestamp"):
         return
-    spec = parse_spec(name, cr.get("spec", {}))
+    spec = parse_spec(name, cr.get("spec", {}), ENGINE_IMAGE)
     want_hash = spec.hash()
     nodes_raw = core.list_node().items
     nrts = _node_resource_topologies(custom)

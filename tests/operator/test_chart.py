@@ -25,6 +25,20 @@ def test_chart_renders_and_validates(cluster):
     assert kinds.count("CustomResourceDefinition") == 3 and "DaemonSet" in kinds and "Deployment" in kinds
     deploy = next(d for d in docs if d["kind"] == "Deployment")
     assert "--namespace=ml" in deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+    # one multi-arch name per image, tagged with the chart's appVersion unless values say otherwise
+    app = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    op = deploy["spec"]["template"]["spec"]["containers"][0]
+    assert op["image"] == f"ghcr.io/cpuserve/cpuserve-operator:{app}"
+    env = {e["name"]: e.get("value") for e in op["env"]}
+    assert env["CPUSERVE_ENGINE_IMAGE"] == f"ghcr.io/cpuserve/cpuserve-engine:{app}"
+    custom = [d for d in yaml.safe_load_all(helm(
+        "template", "cpuserve", str(CHART), "--set", "imagePullSecrets[0].name=regcred",
+        "--set", "engine.image.repository=reg.example/cpuserve-engine", "--set", "engine.image.tag=dev")) if d]
+    for d in custom:
+        if d["kind"] in ("Deployment", "DaemonSet"):
+            assert d["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    op = next(d for d in custom if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "CPUSERVE_ENGINE_IMAGE", "value": "reg.example/cpuserve-engine:dev"} in op["env"]
     crd = next(d for d in docs if d["kind"] == "CustomResourceDefinition" and d["spec"]["group"] == "cpuserve.dev")
     assert crd == yaml.safe_load((ROOT / "crds" / "cpumodelserver.yaml").read_text())  # one source of truth
     cluster.kubectl("create", "namespace", "cpuserve-system", check=False)

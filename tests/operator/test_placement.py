@@ -4,7 +4,8 @@ import json
 import pytest
 
 from cpuserve_operator import builders as b
-from cpuserve_operator.placement import GiB, Node, NumaNode, Slot, node_from_api, parse_spec, plan
+from cpuserve_operator.placement import (DEFAULT_ENGINE_IMAGE, GiB, Node, NumaNode, Slot, engine_image, node_from_api,
+                                        parse_spec, plan)
 
 
 def machine(name, numa=2, cpus_per_numa=16, mem_gib=64, smt=2, isa=(), labels=None, ready=True, arch="amd64"):
@@ -148,6 +149,31 @@ def test_pod_is_guaranteed_pinned_and_probed():
     assert b.build_pod(CR, amx, apl)["spec"]["nodeSelector"]["cpuserve.dev/isa.amx_bf16"] == "true"
     assert pod["metadata"]["ownerReferences"][0]["uid"] == "1234"
     assert pod["metadata"]["labels"][b.L_HASH] == s.hash()
+
+
+def test_engine_image_defaults_overrides_and_pull_secrets():
+    default = "registry.example:5000/team/cpuserve-engine:0.1.0"
+    assert engine_image({}, default) == default
+    assert engine_image({"tag": "0.2.0"}, default) == "registry.example:5000/team/cpuserve-engine:0.2.0"
+    assert engine_image({"repository": "my/engine"}, default) == "my/engine"
+    assert engine_image({"repository": "my/engine", "tag": "v1"}, default) == "my/engine:v1"
+    assert spec().image == DEFAULT_ENGINE_IMAGE
+    s = spec(image={"repository": "my/engine", "tag": "v1", "pullSecrets": ["regcred"], "pullPolicy": "Always"})
+    (pl,) = plan(s, [machine("a")]).placements
+    pod = b.build_pod(CR, s, pl)
+    c = pod["spec"]["containers"][0]
+    assert (c["image"], c["imagePullPolicy"]) == ("my/engine:v1", "Always")
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    assert "imagePullSecrets" not in b.build_pod(CR, spec(), plan(spec(), [machine("a")]).placements[0])["spec"]
+    assert s.hash() != spec().hash()  # a new image rolls the pods
+
+
+def test_pod_runs_the_image_user_on_a_read_only_root():
+    (pl,) = plan(spec(), [machine("a")]).placements
+    pod = b.build_pod(CR, spec(), pl)
+    sc, c = pod["spec"]["securityContext"], pod["spec"]["containers"][0]
+    assert sc["runAsNonRoot"] and sc["runAsUser"] == 1000 and c["securityContext"]["readOnlyRootFilesystem"]
+    assert {m["mountPath"] for m in c["volumeMounts"]} >= {"/tmp", "/var/cache/cpuserve", "/dev/shm"}
 
 
 def test_kubelet_pinning_and_tensor_parallel_env():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -93,8 +94,18 @@ class LazyTensors:
             fh.seek(base + start)
             if fh.readinto(buf) != len(buf):
                 raise ValueError(f"{path}: truncated data for tensor {name}")
-        return torch.frombuffer(buf, dtype=dtype).reshape(info["shape"]) if buf else \
-            torch.empty(info["shape"], dtype=dtype)
+        return from_le_bytes(buf, dtype, info["shape"])
+
+
+def from_le_bytes(buf: bytearray, dtype: torch.dtype, shape, big_endian_host: bool = sys.byteorder == "big"):
+    """A tensor from safetensors' little-endian bytes (swapped in place on s390x)."""
+    if not buf:
+        return torch.empty(shape, dtype=dtype)
+    size = torch.empty((), dtype=dtype).element_size()
+    if big_endian_host and size > 1:
+        import numpy as np
+        np.frombuffer(buf, dtype=f"u{size}").byteswap(inplace=True)
+    return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
 def load_state_dict(model_dir: Path) -> LazyTensors:

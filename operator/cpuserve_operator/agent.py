@@ -39,6 +39,46 @@ def publish(node_name: str, labels: dict, annotations: dict) -> None:
     client.CoreV1Api().patch_node(node_name, {"metadata": {"labels": {**stale, **labels}, "annotations": annotations}})
 
 
+def assignments(pods: list[dict], resources: list, container: str = "engine") -> dict[tuple[str, str], str]:
+    """{(namespace, pod): annotation value} for the given pods: the CPUs and memory NUMA
+    nodes the kubelet's managers gave their `container`, as JSON ("" where the kubelet
+    reports nothing exclusive: pinning is not the kubelet's)."""
+    from cpuserve_topology import format_cpulist
+
+    by_pod = {(r.namespace, r.name): r for r in resources}
+    out = {}
+    for pod in pods:
+        key = (pod["metadata"]["namespace"], pod["metadata"]["name"])
+        r = by_pod.get(key)
+        c = next((c for c in (r.containers if r else []) if c.name == container), None)
+        if c is None:
+            continue
+        mem = sorted({n for nodes in c.memory_numa.values() for n in nodes})
+        out[key] = json.dumps({"cpus": format_cpulist(c.cpu_ids), "memoryNodes": mem}, sort_keys=True) \
+            if c.cpu_ids or mem else ""
+    return out
+
+
+def report_assignments(node_name: str, socket: str) -> int:
+    """Records on each cpuserve pod of this node what the kubelet assigned it; returns
+    how many pods changed."""
+    from kubernetes import client
+
+    from cpuserve_operator.builders import A_ASSIGNED, L_SERVER
+    from cpuserve_operator.podresources import list_pod_resources
+
+    core = client.CoreV1Api()
+    pods = core.list_pod_for_all_namespaces(label_selector=L_SERVER, field_selector=f"spec.nodeName={node_name}")
+    pods = [client.ApiClient().sanitize_for_serialization(p) for p in pods.items]
+    changed = 0
+    for (ns, name), value in assignments(pods, list_pod_resources(socket)).items():
+        pod = next(p for p in pods if p["metadata"]["name"] == name and p["metadata"]["namespace"] == ns)
+        if (pod["metadata"].get("annotations") or {}).get(A_ASSIGNED, "") != value:
+            core.patch_namespaced_pod(name, ns, {"metadata": {"annotations": {A_ASSIGNED: value or None}}})
+            changed += 1
+    return changed
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cpuserve-node-agent")
     p.add_argument("--node-name", default=os.environ.get("NODE_NAME"), help="this node (downward API: NODE_NAME)")
@@ -47,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=300, help="seconds between refreshes")
     p.add_argument("--once", action="store_true", help="publish once and exit")
     p.add_argument("--print", action="store_true", help="print labels and annotation, publish nothing")
+    p.add_argument("--report-assignments", metavar="SOCKET", nargs="?", const="/var/lib/kubelet/pod-resources/kubelet.sock",
+                   help="instead: record on this node's cpuserve pods the CPUs and memory nodes the kubelet "
+                        "gave them, from its pod-resources socket (default %(const)s), every --interval seconds")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.print:
@@ -61,6 +104,16 @@ def main(argv: list[str] | None = None) -> int:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
+    while a.report_assignments:
+        try:
+            n = report_assignments(a.node_name, a.report_assignments)
+            if n:
+                log.info("recorded the kubelet's assignment on %d pod(s)", n)
+        except Exception as e:  # noqa: BLE001 - the kubelet restarting is no reason to exit
+            log.warning("pod-resources: %s", e)
+        if a.once:
+            return 0
+        time.sleep(a.interval)
     while True:
         labels, ann = describe(a.root)
         publish(a.node_name, labels, ann)

@@ -5,6 +5,7 @@ events, node events, a periodic resync); safe to run twice (deterministic names,
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import os
 import threading
@@ -233,6 +234,19 @@ def _condition(old: list, type_: str, status: bool, reason: str, message: str, g
             "observedGeneration": gen}
 
 
+def _placement(pod) -> dict:
+    """A pod's entry in status.placements: its NUMA slot, and its CPUs: the operator's lists
+    under pinning Engine, else what the kubelet gave the engine (the node agent records it)."""
+    ann = pod.metadata.annotations or {}
+    assigned = json.loads(ann.get(b.A_ASSIGNED) or "{}")
+    out = {"pod": pod.metadata.name, "node": pod.spec.node_name or "",
+           "numaNodes": [int(x) for x in ann.get(b.A_SLOT, "/").split("/")[1].split(",") if x != ""],
+           "cpus": ann.get(b.A_CPUS) or assigned.get("cpus", ""), "ready": _pod_ready(pod)}
+    if "memoryNodes" in assigned:
+        out["memoryNodes"] = assigned["memoryNodes"]
+    return out
+
+
 def _write_status(custom, ns, name, cr, spec, core, result, events) -> None:
     pods = core.list_namespaced_pod(ns, label_selector=f"{b.L_SERVER}={name}").items
     pods = [p for p in pods if p.metadata.deletion_timestamp is None]
@@ -266,11 +280,7 @@ def _write_status(custom, ns, name, cr, spec, core, result, events) -> None:
                    ("PodRejected" if events else "AsExpected"),
                    "; ".join(([result.reason] if result.reason else []) + events) or "no problem", gen),
     ]
-    placements = [{"pod": p.metadata.name, "node": p.spec.node_name or "",
-                   "numaNodes": [int(x) for x in (p.metadata.annotations or {}).get(b.A_SLOT, "/").split("/")[1].split(",")
-                                 if x != ""],
-                   "cpus": (p.metadata.annotations or {}).get(b.A_CPUS, ""), "ready": _pod_ready(p)}
-                  for p in sorted(current, key=lambda p: int(p.metadata.labels[b.L_REPLICA]))]
+    placements = [_placement(p) for p in sorted(current, key=lambda p: int(p.metadata.labels[b.L_REPLICA]))]
     status = {"phase": phase, "replicas": len(current), "readyReplicas": len(ready),
               "readyText": f"{len(ready)}/{desired}", "selector": f"{b.L_SERVER}={name}",
               "endpoint": b.endpoint(cr, spec), "observedGeneration": gen, "specHash": want,

@@ -52,7 +52,7 @@ host-deps:
 	hack/host-deps.sh
 
 test-python: install
-	$(PY) -m pytest tests -q --ignore=tests/operator --ignore=tests/images
+	$(PY) -m pytest tests -q --ignore=tests/operator --ignore=tests/images --ignore=tests/e2e
 
 # Built and installed as wheels (not editable): this proves they build on their own.
 install-operator: $(OSTAMP)

@@ -5,17 +5,22 @@
 #   images:  buildah, podman, runc, debootstrap, qemu-user, and qemu registered with
 #            binfmt_misc (with the F flag, so chroots of another architecture run)
 #   envtest: openssl (the control plane's service-account keys)
+#   e2e:     the node's CNI plugins, iptables, iproute2, curl, and libseccomp-dev + pkg-config
+#            (runc is built with cgo against libseccomp)
 set -euo pipefail
 want=()
 need() { command -v "$1" >/dev/null 2>&1 || want+=("$2"); }
-for part in "${@:-kernels images envtest}"; do for p in $part; do case $p in
+for part in "${@:-kernels images envtest e2e}"; do for p in $part; do case $p in
   kernels) need ninja ninja-build; need cmake cmake; [ -d /usr/src/googletest ] || want+=(googletest)
            need aarch64-linux-gnu-g++ g++-aarch64-linux-gnu; need s390x-linux-gnu-g++ g++-s390x-linux-gnu
            need qemu-aarch64-static qemu-user-static ;;
   images)  need buildah buildah; need podman podman; need runc runc; need debootstrap debootstrap
            need qemu-aarch64-static qemu-user-static; need numfmt coreutils ;;
   envtest) need openssl openssl ;;
-  *) echo "host-deps.sh: unknown part $p (kernels, images, envtest)" >&2; exit 2 ;;
+  e2e)     [ -x /usr/lib/cni/bridge ] || want+=(containernetworking-plugins); need iptables iptables
+           need ip iproute2; need curl curl; need pkg-config pkg-config; need openssl openssl
+           [ -e /usr/include/seccomp.h ] || want+=(libseccomp-dev) ;;
+  *) echo "host-deps.sh: unknown part $p (kernels, images, envtest, e2e)" >&2; exit 2 ;;
 esac; done; done
 sudo=; [ "$(id -u)" = 0 ] || sudo=sudo
 if [ ${#want[@]} -gt 0 ]; then

@@ -120,7 +120,7 @@ e2e-bin:
 	hack/e2e/install.sh $(dir $(CPUSERVE_E2E_BIN))
 
 e2e: images envtest e2e-bin
-	$(OPY) -m pytest tests/e2e -x -q
+	$(OPY) -m pytest tests/e2e -x -q --durations=5
 
 bench: install
 	$(PY) benchmarks/offline_throughput.py

@@ -53,6 +53,10 @@ def kubelet_config(ca: Path, containerd_sock: Path, resolv: Path) -> dict:
             "address": NODE_IP, "healthzBindAddress": "127.0.0.1", "readOnlyPort": 0,
             "resolvConf": str(resolv), "clusterDomain": "cluster.local",
             "failSwapOn": False, "serializeImagePulls": False,
+            # a shared test machine's disk may be 85% full: the default imagefs threshold (15%)
+            # would evict every pod. Maps merge key by key with the drop-in's memory.available.
+            "evictionHard": {"nodefs.available": "2Gi", "imagefs.available": "2Gi", "nodefs.inodesFree": "1%",
+                             "imagefs.inodesFree": "1%"},
             "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,  # never evict the imported images
             "evictionPressureTransitionPeriod": "30s", "syncFrequency": "10s",
             "fileCheckFrequency": "5s", "nodeStatusUpdateFrequency": "5s"}

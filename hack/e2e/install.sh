@@ -3,7 +3,8 @@
 # missing: kubelet, kube-scheduler and kube-proxy from the Kubernetes Go module the envtest
 # binaries come from (operator/hack/envtest/go.mod, so every component has one version);
 # containerd 2, its runc shim, ctr and runc from ./runtime/go.mod (Debian's containerd 1.6
-# is older than the kubelet accepts, and its runc 1.1.5 cannot start containerd 2's sandboxes); and the pod sandbox image
+# is older than the kubelet accepts; Debian's runc 1.1.5 works too, but runc 1.5 is what
+# containerd 2 is released with, and it names the call that fails); and the pod sandbox image
 # (./pause.c, static) as an OCI archive. $1 is keyed by these inputs' hash by the Makefile.
 set -euo pipefail
 dest=$1

@@ -1,5 +1,5 @@
 // Builds containerd 2 (containerd, its runc shim, ctr) and runc for `make e2e`: Debian's 1.6
-// is older than a 1.36 kubelet accepts, and its runc 1.1.5 cannot start containerd 2's sandboxes.
+// is older than a 1.36 kubelet accepts; runc 1.5 is what containerd 2 is released with.
 module cpuserve.dev/containerd
 
 go 1.26.6

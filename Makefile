@@ -118,6 +118,9 @@ export CPUSERVE_E2E_BIN
 e2e-bin:
 	hack/host-deps.sh e2e
 	hack/e2e/install.sh $(dir $(CPUSERVE_E2E_BIN))
+	@# binaries of earlier inputs (about 430 MB each) are not needed again
+	find $(HOME)/.cache/cpuserve-e2e -mindepth 1 -maxdepth 1 -type d -regextype egrep -regex '.*/[0-9a-f]{16}' \
+	  ! -name $(E2E_INPUTS) -exec rm -rf {} +
 
 e2e: images envtest e2e-bin
 	$(OPY) -m pytest tests/e2e -x -q --durations=5

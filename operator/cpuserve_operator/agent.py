@@ -70,10 +70,10 @@ def report_assignments(node_name: str, socket: str) -> int:
     core = client.CoreV1Api()
     pods = core.list_pod_for_all_namespaces(label_selector=L_SERVER, field_selector=f"spec.nodeName={node_name}")
     pods = [client.ApiClient().sanitize_for_serialization(p) for p in pods.items]
+    by_key = {(p["metadata"]["namespace"], p["metadata"]["name"]): p for p in pods}
     changed = 0
     for (ns, name), value in assignments(pods, list_pod_resources(socket)).items():
-        pod = next(p for p in pods if p["metadata"]["name"] == name and p["metadata"]["namespace"] == ns)
-        if (pod["metadata"].get("annotations") or {}).get(A_ASSIGNED, "") != value:
+        if (by_key[ns, name]["metadata"].get("annotations") or {}).get(A_ASSIGNED, "") != value:
             core.patch_namespaced_pod(name, ns, {"metadata": {"annotations": {A_ASSIGNED: value or None}}})
             changed += 1
     return changed

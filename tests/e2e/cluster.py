@@ -158,21 +158,20 @@ def make_pki(d: Path) -> None:
     """A cluster CA, the API server's serving certificate (every name pods and the host use)
     and its client certificate towards the kubelet."""
     d.mkdir(parents=True, exist_ok=True)
-    ossl = ["openssl"]
-    run(*ossl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", d / "ca.key", "-out", d / "ca.crt",
+    run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", d / "ca.key", "-out", d / "ca.crt",
         "-days", "2", "-subj", "/CN=cpuserve-e2e-ca")
     sans = ",".join([f"IP:{API_SERVICE_IP}", f"IP:{NODE_IP}", "IP:127.0.0.1", "DNS:localhost", "DNS:kubernetes",
                      "DNS:kubernetes.default", "DNS:kubernetes.default.svc", "DNS:kubernetes.default.svc.cluster.local"])
     for name, subj, ext in (("apiserver", "/CN=kube-apiserver", f"subjectAltName={sans}\nextendedKeyUsage=serverAuth"),
                             ("apiserver-kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client",
                              "extendedKeyUsage=clientAuth")):
-        run(*ossl, "req", "-newkey", "rsa:2048", "-nodes", "-keyout", d / f"{name}.key", "-out", d / f"{name}.csr",
+        run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", d / f"{name}.key", "-out", d / f"{name}.csr",
             "-subj", subj)
         (d / f"{name}.ext").write_text(ext + "\n")
-        run(*ossl, "x509", "-req", "-in", d / f"{name}.csr", "-CA", d / "ca.crt", "-CAkey", d / "ca.key",
+        run("openssl", "x509", "-req", "-in", d / f"{name}.csr", "-CA", d / "ca.crt", "-CAkey", d / "ca.key",
             "-CAcreateserial", "-days", "2", "-extfile", d / f"{name}.ext", "-out", d / f"{name}.crt")
-    run(*ossl, "genrsa", "-out", d / "sa.key", "2048")
-    run(*ossl, "rsa", "-in", d / "sa.key", "-pubout", "-out", d / "sa.pub")
+    run("openssl", "genrsa", "-out", d / "sa.key", "2048")
+    run("openssl", "rsa", "-in", d / "sa.key", "-pubout", "-out", d / "sa.pub")
 
 
 class Cluster:

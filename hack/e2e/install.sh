@@ -19,7 +19,8 @@ if ! [[ -x $dest/bin/kubelet && -x $dest/bin/kube-scheduler && -x $dest/bin/kube
   (cd "$envtest" && GOFLAGS=-mod=mod go build -trimpath -ldflags "$ldflags" -o "$dest/bin/" \
       k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kube-proxy)
 fi
-mod() { sed -n "s#^\s*$1 v\([^ ]*\).*#\1#p" "$here/runtime/go.mod" | head -1; }
+# (no `| head` under pipefail: a writer that outlives head dies of SIGPIPE and fails the script)
+mod() { sed -n "s#^\s*$1 v\([^ ]*\).*#\1#p" "$here/runtime/go.mod" | sed -n 1p; }
 if ! [[ -x $dest/bin/containerd && -x $dest/bin/containerd-shim-runc-v2 && -x $dest/bin/ctr ]]; then
   cver=$(mod github.com/containerd/containerd/v2)
   echo "building containerd v$cver into $dest/bin"
@@ -49,4 +50,4 @@ if [[ ! -s $dest/pause.oci.tar ]]; then
 fi
 "$dest/bin/kubelet" --version
 "$dest/bin/containerd" --version
-"$dest/bin/runc" --version | head -1
+"$dest/bin/runc" --version | sed -n 1p

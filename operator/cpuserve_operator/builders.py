@@ -62,7 +62,14 @@ def _probe(port_name: str, **kw) -> dict:
     return {"httpGet": {"path": "/health", "port": port_name}, **kw}
 
 
-def build_pod(cr: dict, spec: ServerSpec, p: Placement) -> dict:
+def tolerations(node_lost_grace_s: float) -> list[dict]:
+    """The taint manager evicts the pod once its node has been NotReady or unreachable this
+    long (the operator's grace for a lost node: both act at the same time, not at once)."""
+    return [{"key": f"node.kubernetes.io/{t}", "operator": "Exists", "effect": "NoExecute",
+             "tolerationSeconds": int(node_lost_grace_s)} for t in ("not-ready", "unreachable")]
+
+
+def build_pod(cr: dict, spec: ServerSpec, p: Placement, node_lost_grace_s: float = 300) -> dict:
     name = pod_name(spec, p.index)
     resources = {"cpu": str(p.cpus), "memory": str(p.memory)}
     seccomp = {"type": spec.seccomp_type}
@@ -97,6 +104,7 @@ def build_pod(cr: dict, spec: ServerSpec, p: Placement) -> dict:
             "nodeSelector": {"kubernetes.io/arch": p.arch,
                              **{f"cpuserve.dev/isa.{flag}": "true" for flag in spec.required_isa}},
             "restartPolicy": "Always",
+            "tolerations": tolerations(node_lost_grace_s),
             "terminationGracePeriodSeconds": 30,
             # the engine image's user; the root filesystem stays read-only (cache and /tmp are volumes)
             "securityContext": {"seccompProfile": seccomp, "runAsNonRoot": True, "runAsUser": 1000,

@@ -253,9 +253,10 @@ def slot_resources(node: Node, slot: Slot, spec: ServerSpec) -> tuple[int, tuple
 
 
 def plan(spec: ServerSpec, nodes: list[Node], taken: dict[str, str] | None = None,
-         current: dict[int, Slot] | None = None) -> Plan:
+         current: dict[int, Slot] | None = None, keep: set[str] | frozenset = frozenset()) -> Plan:
     """Places replicas 0..replicas-1. `current` keeps each existing replica's slot
-    where it is still valid (no churn); `taken` maps slot keys held by *other*
+    where it is still valid (no churn), and on the nodes in `keep` even when they are not
+    eligible now (a NotReady node within its grace period); `taken` maps slot keys held by *other*
     servers' pods (pinning Engine never gives one NUMA slot to two pods).
     Slots are filled spreading over machines first, in name order."""
     taken = taken or {}
@@ -288,7 +289,8 @@ def plan(spec: ServerSpec, nodes: list[Node], taken: dict[str, str] | None = Non
             candidates.append(ok)
     # keep valid current placements, then fill the rest round-robin over machines
     valid = {s.key for group in candidates for s in group}
-    placed: dict[int, Slot] = {i: s for i, s in current.items() if i < spec.replicas and s.key in valid}
+    placed: dict[int, Slot] = {i: s for i, s in current.items() if i < spec.replicas and
+                               (s.key in valid or (s.node in keep and s.node in by_name))}
     used = {s.key for s in placed.values()}
     order: list[Slot] = []
     for depth in range(max((len(g) for g in candidates), default=0)):

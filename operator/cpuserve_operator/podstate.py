@@ -59,7 +59,8 @@ def pod_problem(pod: dict) -> Problem | None:
 def _parse_time(s: str | None) -> float | None:
     if not s:
         return None
-    return dt.datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc).timestamp()
+    t = dt.datetime.fromisoformat(str(s).replace("Z", "+00:00"))  # the API's form, or the client's isoformat
+    return (t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)).timestamp()
 
 
 def node_lost_for(node: dict | None, now: float) -> float:

@@ -341,7 +341,8 @@ def _write_status(custom, ns, name, cr, spec, core, result, failures, problems) 
     current = [p for p in pods if p.metadata.labels.get(b.L_HASH) == want]
     ready = [p for p in current if _pod_ready(p)]
     ready_idx = {int(p.metadata.labels[b.L_REPLICA]) for p in ready}
-    problems = {i: t for i, t in problems.items() if i not in ready_idx}
+    # a replica whose new pod serves has no problem an old pod of it had; a NotReady node is news either way
+    problems = {i: t for i, t in problems.items() if i not in ready_idx or t[1].reason == "NodeNotReady"}
     desired = spec.replicas
     gen = cr["metadata"].get("generation", 0)
     outdated = len(pods) - len(current)

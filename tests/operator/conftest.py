@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -157,3 +158,26 @@ def cluster():
         yield cp
     finally:
         cp.stop()
+
+
+@pytest.fixture(scope="session")
+def operator(cluster):
+    """One standalone operator for the namespace `default`, resyncing every second, with an
+    8 s grace for NotReady nodes (300 s in production) and its metrics on `proc.metrics`."""
+    log = open(cluster.dir / "operator.log", "w")
+    env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig), CPUSERVE_OPERATOR_RESYNC="1",
+               CPUSERVE_NODE_LOST_GRACE="8")
+    metrics = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "cpuserve_operator.main", "--standalone", "--namespace", "default",
+                             "--liveness", f"http://127.0.0.1:{free_port()}/healthz", "--metrics-port", str(metrics)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc.metrics = f"http://127.0.0.1:{metrics}/metrics"
+    yield proc
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    text = (cluster.dir / "operator.log").read_text()
+    (cluster.dir.parent / "cpuserve-operator-test.log").write_text(text)  # kept for a failed run
+    print(text[-5000:])

@@ -22,7 +22,10 @@ def test_chart_renders_and_validates(cluster):
                     "--set", "operator.watchNamespaces={ml,prod}")
     docs = [d for d in yaml.safe_load_all(rendered) if d]
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds.count("CustomResourceDefinition") == 3 and "DaemonSet" in kinds and "Deployment" in kinds
+    assert kinds.count("CustomResourceDefinition") == 1 and "DaemonSet" in kinds and "Deployment" in kinds
+    lease = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "cpuserve-operator-lease")
+    assert {"get", "update"} <= {v for r in lease["rules"] if r.get("resourceNames") == ["cpuserve-operator"]
+                                 for v in r["verbs"]}
     deploy = next(d for d in docs if d["kind"] == "Deployment")
     assert "--namespace=ml" in deploy["spec"]["template"]["spec"]["containers"][0]["args"]
     # one multi-arch name per image, tagged with the chart's appVersion unless values say otherwise
@@ -54,8 +57,9 @@ def test_chart_renders_and_validates(cluster):
 
 
 def test_operator_works_with_the_charts_rbac(cluster):
-    """The operator, authenticated as the chart's ServiceAccount (its ClusterRole only),
-    reconciles a server: the RBAC the chart lists is enough."""
+    """The operator, authenticated as the chart's ServiceAccount (its ClusterRole, and its
+    Role for the leader Lease), wins the election and reconciles a server: the RBAC the chart
+    lists is enough."""
     import json
     import os
     import sys
@@ -64,7 +68,7 @@ def test_operator_works_with_the_charts_rbac(cluster):
 
     rendered = helm("template", "cpuserve", str(CHART), "--namespace", "cpuserve-system")
     rbac = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] in
-            ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")]
+            ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")]
     cluster.kubectl("create", "namespace", "cpuserve-system", check=False)
     cluster.kubectl("apply", "-f", "-", input="\n---\n".join(yaml.safe_dump(d) for d in rbac))
     token = cluster.kubectl("create", "token", "cpuserve-operator", "-n", "cpuserve-system").stdout.strip()
@@ -78,9 +82,11 @@ def test_operator_works_with_the_charts_rbac(cluster):
     cluster.kubectl("patch", "node", "rbac-node", "--subresource=status", "--type=merge", "-p",
                     json.dumps({"status": {"conditions": [{"type": "Ready", "status": "True"}]}}))
     log = open(cluster.dir / "operator-sa.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "cpuserve_operator.main", "--standalone", "--namespace", "rbac",
-                             "--liveness", f"http://127.0.0.1:{free_port()}/healthz"], stdout=log,
-                            stderr=subprocess.STDOUT, env=dict(os.environ, KUBECONFIG=str(kubeconfig)))
+    env = dict(os.environ, KUBECONFIG=str(kubeconfig), POD_NAME="op-0", POD_NAMESPACE="cpuserve-system",
+               CPUSERVE_OPERATOR_LEASE="cpuserve-operator")
+    proc = subprocess.Popen([sys.executable, "-m", "cpuserve_operator.main", "--namespace", "rbac",
+                             "--liveness", f"http://127.0.0.1:{free_port()}/healthz",
+                             "--metrics-port", str(free_port())], stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         cluster.kubectl("create", "namespace", "rbac", check=False)
         cluster.kubectl("apply", "-n", "rbac", "-f", "-", input=json.dumps({
@@ -90,6 +96,8 @@ def test_operator_works_with_the_charts_rbac(cluster):
         wait_for(lambda: cluster.get("cms", "-n", "rbac", "sa").get("status", {}).get("phase") == "Loading", 60,
                  "status written")
         assert cluster.get("svc", "-n", "rbac", "sa")["spec"]["ports"][0]["port"] == 8000
+        assert cluster.get("lease", "-n", "cpuserve-system", "cpuserve-operator")["spec"]["holderIdentity"] == "op-0"
+        assert any(e["reason"] == "Placed" for e in cluster.get("events", "-n", "rbac")["items"])
         text = (cluster.dir / "operator-sa.log").read_text()
         assert "Forbidden" not in text and "forbidden" not in text, text[-3000:]
     finally:

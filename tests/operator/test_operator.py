@@ -63,24 +63,6 @@ def condition(obj, type_):
     return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == type_), {})
 
 
-@pytest.fixture(scope="module")
-def operator(cluster):
-    log = open(cluster.dir / "operator.log", "w")
-    env = dict(os.environ, KUBECONFIG=str(cluster.kubeconfig), CPUSERVE_OPERATOR_RESYNC="1")
-    proc = subprocess.Popen([sys.executable, "-m", "cpuserve_operator.main", "--standalone", "--namespace", NS,
-                             "--liveness", f"http://127.0.0.1:{free_port()}/healthz"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
-    yield proc
-    proc.terminate()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    text = (cluster.dir / "operator.log").read_text()
-    (cluster.dir.parent / "cpuserve-operator-test.log").write_text(text)  # kept for a failed run
-    print(text[-5000:])
-
-
 def test_lifecycle(cluster, operator):
     add_node(cluster, "node-a")
     add_node(cluster, "node-b")

@@ -66,3 +66,4 @@ def test_node_lost_for():
     assert node_lost_for(node("False", stamp), t0.timestamp() - 5) == 0  # clocks apart: never negative
     assert node_lost_for(None, 0) == float("inf")
     assert node_lost_for({"status": {}}, 1e9) == 0  # no condition yet (a node registering)
+    assert node_lost_for(node("False", "2026-01-01T00:00:00+00:00"), t0.timestamp() + 7) == 7  # the client's form

@@ -10,7 +10,7 @@ import logging
 import os
 import time
 
-from cpuserve_operator.placement import LABEL_PREFIX, TOPOLOGY_ANNOTATION
+from cpuserve_operator.placement import KUBELET_ANNOTATION, LABEL_PREFIX, TOPOLOGY_ANNOTATION
 
 log = logging.getLogger("cpuserve_operator.agent")
 
@@ -59,6 +59,33 @@ def assignments(pods: list[dict], resources: list, container: str = "engine") ->
     return out
 
 
+def kubelet_policies(alloc) -> dict:
+    """The kubelet's CPU and memory manager policies, as its pod-resources API shows them: only
+    the static CPU manager has CPUs to give exclusively, only the Static memory manager NUMA
+    memory (the checkpoint files say the same, but need the kubelet's directory mounted)."""
+    from cpuserve_topology import format_cpulist
+
+    mem = sorted({n for nodes in alloc.memory_numa.values() for n in nodes})
+    return {"cpuManagerPolicy": "static" if alloc.cpu_ids else "none",
+            "memoryManagerPolicy": "Static" if mem else "None",
+            "exclusiveCPUs": format_cpulist(alloc.cpu_ids), "memoryNodes": mem}
+
+
+def report_kubelet(node_name: str, socket: str) -> bool:
+    """Publishes the kubelet's policies on the Node (cpuserve.dev/kubelet); True if they changed."""
+    from kubernetes import client
+
+    from cpuserve_operator.podresources import allocatable_resources
+
+    value = json.dumps(kubelet_policies(allocatable_resources(socket)), sort_keys=True)
+    core = client.CoreV1Api()
+    if (core.read_node(node_name).metadata.annotations or {}).get(KUBELET_ANNOTATION) == value:
+        return False
+    core.patch_node(node_name, {"metadata": {"annotations": {KUBELET_ANNOTATION: value}}})
+    log.info("kubelet on %s: %s", node_name, value)
+    return True
+
+
 def report_assignments(node_name: str, socket: str) -> int:
     """Records on each cpuserve pod of this node what the kubelet assigned it; returns
     how many pods changed."""
@@ -88,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--once", action="store_true", help="publish once and exit")
     p.add_argument("--print", action="store_true", help="print labels and annotation, publish nothing")
     p.add_argument("--report-assignments", metavar="SOCKET", nargs="?", const="/var/lib/kubelet/pod-resources/kubelet.sock",
-                   help="instead: record on this node's cpuserve pods the CPUs and memory nodes the kubelet "
-                        "gave them, from its pod-resources socket (default %(const)s), every --interval seconds")
+                   help="instead: publish the kubelet's CPU and memory manager policies on the Node, and record "
+                        "on this node's cpuserve pods the CPUs and memory nodes the kubelet gave them, from its "
+                        "pod-resources socket (default %(const)s), every --interval seconds")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.print:
@@ -106,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         config.load_kube_config()
     while a.report_assignments:
         try:
+            report_kubelet(a.node_name, a.report_assignments)
             n = report_assignments(a.node_name, a.report_assignments)
             if n:
                 log.info("recorded the kubelet's assignment on %d pod(s)", n)

@@ -50,7 +50,7 @@ def engine_env(spec: ServerSpec, p: Placement) -> list[dict]:
            # the reference's own defaults, made explicit: none with one rank, one core per rank with several
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0" if spec.ranks == 1 else "1",
            "CPUSERVE_CACHE": "/var/cache/cpuserve"}
-    if spec.pinning == "Engine":
+    if p.rank_cpus:  # the engine binds itself to its slot (placement.engine_binds says when)
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, cpus)) for cpus in p.rank_cpus)
         env["CPU_VISIBLE_MEMORY_NODES"] = ",".join(map(str, p.slot.numa))
     else:  # the kubelet's static managers give the pod its cpuset and memory nodes; bind inside them

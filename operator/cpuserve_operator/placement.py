@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 GiB = 1 << 30
 LABEL_PREFIX = "cpuserve.dev/"
 TOPOLOGY_ANNOTATION = "cpuserve.dev/topology"
+# the node agent: the kubelet's CPU and memory manager policies, from its pod-resources API
+KUBELET_ANNOTATION = "cpuserve.dev/kubelet"
 
 
 # -- inputs --------------------------------------------------------------------------------
@@ -44,6 +46,7 @@ class Node:
     ready: bool = True
     schedulable: bool = True
     known_topology: bool = True    # False: nothing published; seen as one NUMA node of its allocatable CPUs
+    cpu_manager: str = ""          # the kubelet's CPU manager policy: static, none, or "" (not reported)
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,7 @@ def node_from_api(node: dict, nrt: dict | None = None) -> Node:
     schedulable = not (node.get("spec", {}) or {}).get("unschedulable", False)
     numa: list[NumaNode] = []
     known = True
+    kubelet = json.loads(ann[KUBELET_ANNOTATION]) if ann.get(KUBELET_ANNOTATION) else {}
     if TOPOLOGY_ANNOTATION in ann:
         data = json.loads(ann[TOPOLOGY_ANNOTATION])
         tpc = int(data.get("threadsPerCore", 1))
@@ -164,7 +168,7 @@ def node_from_api(node: dict, nrt: dict | None = None) -> Node:
         alloc = status.get("allocatable", {}) or {}
         numa = [NumaNode(0, tuple(range(int(_quantity(alloc.get("cpu", "0"))))), int(_quantity(alloc.get("memory", "0"))))]
     return Node(meta["name"], arch, tuple(sorted(numa, key=lambda n: n.id)), frozenset(isa), labels, ready,
-                schedulable, known)
+                schedulable, known, str(kubelet.get("cpuManagerPolicy", "")))
 
 
 _SUFFIX = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10**3, "M": 10**6, "G": 10**9,
@@ -196,8 +200,21 @@ class Placement:
     slot: Slot
     cpus: int                      # whole CPUs requested (= limit)
     memory: int                    # bytes requested (= limit)
-    rank_cpus: tuple[tuple[int, ...], ...] = ()  # pinning Engine: each rank's CPU list
+    rank_cpus: tuple[tuple[int, ...], ...] = ()  # the engine binds itself: each rank's CPU list
     arch: str = "amd64"
+    kubelet_pins: bool = False     # the kubelet's static CPU manager chooses the cpuset (whatever spec.pinning)
+
+
+def engine_binds(spec: ServerSpec, node: Node) -> bool:
+    """Who puts the engine on its slot. A static CPU manager gives the pod a cpuset nothing
+    inside can widen: there the engine binds within it ("auto", memory on those CPUs' node),
+    under either pinning. Elsewhere the pod may run on every CPU, so the engine is told its
+    slot's CPU lists: always under pinning Engine, and under pinning Kubelet where the agent
+    reports the CPU manager is `none` (where nothing is reported, "auto" is the safe choice:
+    lists outside an unknown cpuset would stop the engine)."""
+    if node.cpu_manager == "static":
+        return False
+    return spec.pinning == "Engine" or node.cpu_manager == "none"
 
 
 @dataclass
@@ -279,7 +296,7 @@ def plan(spec: ServerSpec, nodes: list[Node], taken: dict[str, str] | None = Non
                 too_small.append(f"{node.name} NUMA {','.join(map(str, slot.numa))} has {mem / GiB:.1f} GiB")
                 continue
             cpus, lists = slot_resources(node, slot, spec)
-            if cpus < 1 or (spec.pinning == "Engine" and min(len(x) for x in lists) < 1):
+            if cpus < 1 or (engine_binds(spec, node) and min(len(x) for x in lists) < 1):
                 no_cpu.append(f"{node.name} NUMA {','.join(map(str, slot.numa))}")
                 continue
             if slot.key in taken:  # a pod takes its whole slot: never two pods on one NUMA slot
@@ -303,7 +320,9 @@ def plan(spec: ServerSpec, nodes: list[Node], taken: dict[str, str] | None = Non
     for i, slot in sorted(placed.items()):
         node = by_name[slot.node]
         cpus, lists = slot_resources(node, slot, spec)
-        out.append(Placement(i, slot, cpus, pod_memory(spec), lists if spec.pinning == "Engine" else (), node.arch))
+        binds = engine_binds(spec, node)
+        out.append(Placement(i, slot, cpus, pod_memory(spec), lists if binds else (), node.arch,
+                             kubelet_pins=node.cpu_manager == "static"))
     missing = spec.replicas - len(out)
     if not missing:
         return Plan(out)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 LIST = "/v1.PodResourcesLister/List"
+ALLOCATABLE = "/v1.PodResourcesLister/GetAllocatableResources"
 
 
 @dataclass
@@ -25,6 +26,14 @@ class PodResources:
     name: str = ""
     namespace: str = ""
     containers: list[ContainerResources] = field(default_factory=list)
+
+
+@dataclass
+class Allocatable:
+    """What the kubelet's managers may hand out exclusively: no CPU ids means the CPU manager
+    policy is `none` (nothing is exclusive), no memory means the memory manager's is `None`."""
+    cpu_ids: list[int] = field(default_factory=list)
+    memory_numa: dict[str, list[int]] = field(default_factory=dict)
 
 
 # -- protobuf wire format (https://protobuf.dev/programming-guides/encoding) -------------------
@@ -117,6 +126,27 @@ def decode_list(buf: bytes) -> list[PodResources]:
                 p.containers.append(_container(x))
         pods.append(p)
     return pods
+
+
+def decode_allocatable(buf: bytes) -> Allocatable:
+    """AllocatableResourcesResponse { devices = 1; repeated int64 cpu_ids = 2; repeated ContainerMemory memory = 3 }."""
+    a = Allocatable()
+    for num, wt, v in fields(buf):
+        if num == 2:
+            a.cpu_ids += _int64s(wt, v)
+        elif num == 3:
+            kind, nodes = _memory(v)
+            a.memory_numa[kind] = sorted(set(a.memory_numa.get(kind, []) + nodes))
+    a.cpu_ids.sort()
+    return a
+
+
+def allocatable_resources(socket: str = SOCKET, timeout: float = 10) -> Allocatable:
+    import grpc
+
+    with grpc.insecure_channel(f"unix://{socket}") as ch:
+        call = ch.unary_unary(ALLOCATABLE, request_serializer=lambda _: b"", response_deserializer=decode_allocatable)
+        return call(None, timeout=timeout)
 
 
 def list_pod_resources(socket: str = SOCKET, timeout: float = 10) -> list[PodResources]:

@@ -248,8 +248,12 @@ def _roll(ps: _Pass, spec, alive, current, old, result, surge) -> None:
                 continue  # its slot is free once it is gone; a later pass creates the new pod
         body = b.build_pod(ps.cr, spec, pl, NODE_LOST_GRACE_S)
         if _create(core.create_namespaced_pod, ns, body):
+            who = ("the kubelet's static CPU manager chooses its CPUs, the engine binds inside them"
+                   + ("; pinning Engine yields to it" if spec.pinning == "Engine" else "")) if pl.kubelet_pins else \
+                ("the engine binds to CPUs " + "|".join(",".join(map(str, c)) for c in pl.rank_cpus)
+                 if pl.rank_cpus else "the engine binds inside the CPUs the kubelet gives it")
             ps.event("Normal", "Placed", f"replica {idx}: pod {body['metadata']['name']} on {pl.slot.key} "
-                     f"({pl.cpus} CPUs, {pl.memory / (1 << 30):.1f} GiB)")
+                     f"({pl.cpus} CPUs, {pl.memory / (1 << 30):.1f} GiB; {who})")
 
 
 def _node_resource_topologies(custom) -> dict:

@@ -215,3 +215,50 @@ def test_tensor_parallel_pods(cluster, operator):
     placements = cms(cluster, "tp")["status"]["placements"]
     assert sorted(len(p["numaNodes"]) for p in placements) == [2, 2] and all(p["cpus"] for p in placements)
     cluster.kubectl("delete", "cms", "tp", "-n", NS)
+
+
+def test_two_replicas_on_two_numa_nodes_under_every_pinning(cluster, operator):
+    """A two-NUMA-node machine per kubelet configuration (the agent's report of its CPU
+    manager), a server per pinning mode: the two replicas always end on different NUMA nodes.
+    Without a static CPU manager the engine is told its slot; with one, the kubelet chooses
+    (the test plays the agent reporting its choice) and status shows what the pods got."""
+    for policy in ("static", "none"):
+        add_node(cluster, f"pin-{policy}", numa=2)
+        cluster.kubectl("label", "node", f"pin-{policy}", f"pool=pin-{policy}")
+        cluster.kubectl("annotate", "node", f"pin-{policy}", "cpuserve.dev/kubelet=" + json.dumps(
+            {"cpuManagerPolicy": policy, "memoryManagerPolicy": "Static" if policy == "static" else "None"}))
+    numa_cpus = [set(range(0, 4)) | set(range(8, 12)), set(range(4, 8)) | set(range(12, 16))]  # topology() of add_node
+    for policy in ("static", "none"):
+        for pinning in ("Kubelet", "Engine"):
+            name = f"pin-{policy}-{pinning.lower()}"
+            cluster.kubectl("apply", "-f", "-", input=json.dumps({
+                "apiVersion": "cpuserve.dev/v1alpha1", "kind": "CPUModelServer",
+                "metadata": {"name": name, "namespace": NS},
+                "spec": {"model": {"source": "packaged://smollm2", "sizeGiB": 1}, "engine": {"kvCacheGiB": 1},
+                         "replicas": 2, "placement": {"pinning": pinning, "nodeSelector": {"pool": f"pin-{policy}"}}}}))
+            got = wait_for(lambda: len(pods(cluster, name)) == 2 and pods(cluster, name), 60, f"{name}: 2 pods")
+            got.sort(key=lambda p: p["metadata"]["labels"]["cpuserve.dev/replica"])
+            envs = [{e["name"]: e["value"] for e in p["spec"]["containers"][0]["env"]} for p in got]
+            if policy == "none":  # the engine binds itself to its slot
+                assert [e["CPU_VISIBLE_MEMORY_NODES"] for e in envs] == ["0", "1"], name
+                for e, cpus in zip(envs, numa_cpus):
+                    assert set(map(int, e["VLLM_CPU_OMP_THREADS_BIND"].split(","))) <= cpus, name
+            else:  # the kubelet picks (here: the other way round); the engine binds inside its cpuset
+                assert all(e["VLLM_CPU_OMP_THREADS_BIND"] == "auto" for e in envs), name
+                for p, node in zip(got, (1, 0)):
+                    cluster.kubectl("annotate", "pod", "-n", NS, p["metadata"]["name"], "cpuserve.dev/assigned=" +
+                                    json.dumps({"cpus": f"{4 * node + 1}-{4 * node + 3}", "memoryNodes": [node]}))
+            kubelet(cluster, name=name)
+            cluster.kubectl("wait", "--for=condition=Ready", f"cms/{name}", "-n", NS, "--timeout=30s")
+            placements = wait_for(lambda: all(p.get("cpus") for p in cms(cluster, name)["status"]["placements"])
+                                  and cms(cluster, name)["status"]["placements"], 20, f"{name}: placements")
+            if policy == "static":
+                assert [p["memoryNodes"] for p in placements] == [[1], [0]], name
+            else:
+                assert [p["numaNodes"] for p in placements] == [[0], [1]], name
+            placed = [e for e in cluster.get("events", "-n", NS, "--field-selector",
+                                             f"involvedObject.name={name},reason=Placed")["items"]]
+            assert len(placed) == 2 and all(("static CPU manager" in e["message"]) == (policy == "static")
+                                            for e in placed), name
+            cluster.kubectl("delete", "cms", name, "-n", NS, "--wait=false")
+            wait_for(lambda: not kubelet(cluster, ready=False, name=name) and not pods(cluster, name), 60, "gone")

@@ -211,3 +211,35 @@ def test_service_and_ingress():
 def test_engine_args_per_source(source, arg):
     args = b.engine_args(spec(model={"source": source, "servedName": "m"}))
     assert args[0] == "serve" and (args[1] == arg if arg else args[1] == "--host")
+
+
+@pytest.mark.parametrize("pinning", ["Kubelet", "Engine"])
+@pytest.mark.parametrize("kubelet", ["static", "none", ""])
+def test_two_replicas_bind_to_different_numa_nodes(pinning, kubelet):
+    """On a two-NUMA-node machine, two replicas end on different nodes whoever pins: the
+    engine told its slot (no static CPU manager), or the kubelet's cpusets (static, with the
+    single-numa-node topology policy) inside which the engine binds ("auto")."""
+    from dataclasses import replace
+
+    node = replace(machine("m"), cpu_manager=kubelet)
+    s = spec(replicas=2, placement__pinning=pinning)
+    pls = plan(s, [node]).placements
+    envs = [{e["name"]: e["value"] for e in b.engine_env(s, p)} for p in pls]
+    assert [p.slot.numa for p in pls] == [(0,), (1,)]
+    if kubelet == "static":  # the kubelet chooses; lists of ours would fall outside its cpuset
+        assert all(e["VLLM_CPU_OMP_THREADS_BIND"] == "auto" and "CPU_VISIBLE_MEMORY_NODES" not in e for e in envs)
+        assert all(p.kubelet_pins for p in pls)
+    elif kubelet == "none" or pinning == "Engine":
+        assert [e["CPU_VISIBLE_MEMORY_NODES"] for e in envs] == ["0", "1"]
+        first, second = (set(map(int, e["VLLM_CPU_OMP_THREADS_BIND"].split(","))) for e in envs)
+        assert first <= set(node.numa[0].cpus) and second <= set(node.numa[1].cpus)
+    else:  # pinning Kubelet, policy not reported: never lists that might lie outside an unknown cpuset
+        assert all(e["VLLM_CPU_OMP_THREADS_BIND"] == "auto" for e in envs)
+
+
+def test_kubelet_policies_from_the_agents_annotation():
+    n = node_from_api({"metadata": {"name": "n", "annotations": {
+        "cpuserve.dev/kubelet": json.dumps({"cpuManagerPolicy": "static", "memoryManagerPolicy": "Static"})}},
+        "status": {"allocatable": {"cpu": "4", "memory": "8Gi"}}})
+    assert n.cpu_manager == "static"
+    assert node_from_api({"metadata": {"name": "n"}, "status": {}}).cpu_manager == ""

@@ -8,8 +8,9 @@ import grpc
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from cpuserve_operator.agent import assignments
-from cpuserve_operator.podresources import LIST, decode_list, list_pod_resources
+from cpuserve_operator.agent import assignments, kubelet_policies
+from cpuserve_operator.podresources import (ALLOCATABLE, LIST, allocatable_resources, decode_allocatable, decode_list,
+                                            list_pod_resources)
 
 # k8s.io/kubelet/pkg/apis/podresources/v1/api.proto, the messages List returns
 PROTO = {
@@ -23,6 +24,8 @@ PROTO = {
     "ContainerMemory": [("memory_type", 1, str, False), ("size", 2, "uint64", False),
                         ("topology", 3, "TopologyInfo", False)],
     "TopologyInfo": [("nodes", 1, "NUMANode", True)],
+    "AllocatableResourcesResponse": [("devices", 1, "ContainerDevices", True), ("cpu_ids", 2, int, True),
+                                     ("memory", 3, "ContainerMemory", True)],
     "NUMANode": [("ID", 1, int, False)],
 }
 
@@ -87,12 +90,33 @@ def test_annotations_only_for_the_engine_containers_of_the_given_pods(messages):
     assert ("llm", "gone") not in out          # the kubelet does not know it (yet)
 
 
+def allocatable(m, cpus=(), mem_nodes=()) -> bytes:
+    r = m["AllocatableResourcesResponse"](cpu_ids=list(cpus))
+    for n in mem_nodes:
+        r.memory.add(memory_type="memory", size=30 << 30).topology.nodes.add(ID=n)
+    return r.SerializeToString()
+
+
+def test_kubelet_policies_from_what_it_can_allocate(messages):
+    static = decode_allocatable(allocatable(messages, [9, 1, 2, 3, 8], [1, 0]))
+    assert static.cpu_ids == [1, 2, 3, 8, 9] and static.memory_numa == {"memory": [0, 1]}
+    assert kubelet_policies(static) == {"cpuManagerPolicy": "static", "memoryManagerPolicy": "Static",
+                                        "exclusiveCPUs": "1-3,8-9", "memoryNodes": [0, 1]}
+    none = kubelet_policies(decode_allocatable(allocatable(messages)))
+    assert (none["cpuManagerPolicy"], none["memoryManagerPolicy"]) == ("none", "None")
+    cpu_only = kubelet_policies(decode_allocatable(allocatable(messages, [1])))
+    assert (cpu_only["cpuManagerPolicy"], cpu_only["memoryManagerPolicy"]) == ("static", "None")
+
+
 def test_list_over_grpc_on_a_unix_socket(messages, tmp_path):
     sock = tmp_path / "kubelet.sock"
     body = response(messages)
+    alloc = allocatable(messages, [1, 2, 3], [0])
     handler = grpc.method_handlers_generic_handler("v1.PodResourcesLister", {
         "List": grpc.unary_unary_rpc_method_handler(lambda req, ctx: body, request_deserializer=lambda b: b,
-                                                    response_serializer=lambda b: b)})
+                                                    response_serializer=lambda b: b),
+        "GetAllocatableResources": grpc.unary_unary_rpc_method_handler(
+            lambda req, ctx: alloc, request_deserializer=lambda b: b, response_serializer=lambda b: b)})
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=1), handlers=[handler])
     server.add_insecure_port(f"unix://{sock}")
     server.start()
@@ -100,5 +124,7 @@ def test_list_over_grpc_on_a_unix_socket(messages, tmp_path):
         assert LIST == "/v1.PodResourcesLister/List"
         pods = list_pod_resources(str(sock))
         assert pods[0].containers[1].cpu_ids == [2, 3, 32, 33]
+        assert ALLOCATABLE == "/v1.PodResourcesLister/GetAllocatableResources"
+        assert allocatable_resources(str(sock)).cpu_ids == [1, 2, 3]
     finally:
         server.stop(None)

@@ -101,8 +101,7 @@ def build_pod(cr: dict, spec: ServerSpec, p: Placement, node_lost_grace_s: float
             # The operator is the placer: it knows NUMA slots the scheduler does not. The
             # kubelet still admits the pod (and may reject it: OutOfcpu, TopologyAffinityError).
             "nodeName": p.slot.node,
-            "nodeSelector": {"kubernetes.io/arch": p.arch,
-                             **{f"cpuserve.dev/isa.{flag}": "true" for flag in spec.required_isa}},
+            "nodeSelector": {"kubernetes.io/arch": p.arch, **dict(p.isa_labels)},
             "restartPolicy": "Always",
             "tolerations": tolerations(node_lost_grace_s),
             "terminationGracePeriodSeconds": 30,

@@ -203,6 +203,28 @@ class Placement:
     rank_cpus: tuple[tuple[int, ...], ...] = ()  # the engine binds itself: each rank's CPU list
     arch: str = "amd64"
     kubelet_pins: bool = False     # the kubelet's static CPU manager chooses the cpuset (whatever spec.pinning)
+    isa_labels: tuple[tuple[str, str], ...] = ()  # the node's labels that show the required ISA
+
+
+def _isa_key(flag: str) -> str:
+    """One spelling for a flag: ours (/proc/cpuinfo's, avx512_vnni) and NFD's (AVX512VNNI) meet."""
+    return flag.lower().replace("_", "")
+
+
+def isa_labels(node: Node, required: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """For each required ISA flag, the label this node has for it: ours (the node agent's),
+    else node-feature-discovery's (its flag spelled as NFD spells it, e.g. AVX512F)."""
+    out = []
+    for flag in required:
+        ours = f"{LABEL_PREFIX}isa.{flag}"
+        if node.labels.get(ours) == "true":
+            out.append((ours, "true"))
+            continue
+        nfd = next((k for k, v in node.labels.items() if v == "true" and
+                    k.startswith("feature.node.kubernetes.io/cpu-cpuid.") and
+                    _isa_key(k.rsplit(".", 1)[1]) == _isa_key(flag)), None)
+        out.append((nfd or ours, "true"))
+    return tuple(out)
 
 
 def engine_binds(spec: ServerSpec, node: Node) -> bool:
@@ -240,7 +262,8 @@ def eligible(node: Node, spec: ServerSpec) -> str | None:
         return "not Ready"
     if not node.schedulable:
         return "cordoned"
-    missing = [f for f in spec.required_isa if f not in node.isa]
+    have = {_isa_key(f) for f in node.isa}
+    missing = [f for f in spec.required_isa if _isa_key(f) not in have]
     if missing:
         return f"lacks ISA {', '.join(missing)}"
     for k, v in spec.node_selector.items():
@@ -322,7 +345,8 @@ def plan(spec: ServerSpec, nodes: list[Node], taken: dict[str, str] | None = Non
         cpus, lists = slot_resources(node, slot, spec)
         binds = engine_binds(spec, node)
         out.append(Placement(i, slot, cpus, pod_memory(spec), lists if binds else (), node.arch,
-                             kubelet_pins=node.cpu_manager == "static"))
+                             kubelet_pins=node.cpu_manager == "static",
+                             isa_labels=isa_labels(node, spec.required_isa)))
     missing = spec.replicas - len(out)
     if not missing:
         return Plan(out)

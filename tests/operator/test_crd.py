@@ -48,6 +48,21 @@ def test_invalid_crs_are_refused_by_the_api_server(cluster, extra, message):
     assert r.returncode != 0 and message in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("name", ["Upper", "9lives", "has.dot", "x" * 53])
+def test_names_that_cannot_name_a_service_are_refused(cluster, name):
+    r = cluster.kubectl("apply", "-f", "-", check=False, input=json.dumps({
+        "apiVersion": "cpuserve.dev/v1alpha1", "kind": "CPUModelServer", "metadata": {"name": name},
+        "spec": {"model": {"source": "packaged://smollm2"}}}))
+    assert r.returncode != 0 and "DNS-1035 label of at most 52" in r.stderr, r.stderr
+
+
+def test_unknown_packaged_model_refused(cluster):
+    r = cluster.kubectl("apply", "-f", "-", check=False, input=json.dumps({
+        "apiVersion": "cpuserve.dev/v1alpha1", "kind": "CPUModelServer", "metadata": {"name": "crd-pkg"},
+        "spec": {"model": {"source": "packaged://llama-70b"}}}))
+    assert r.returncode != 0 and "packages one model: packaged://smollm2" in r.stderr, r.stderr
+
+
 def test_bad_model_source_refused(cluster):
     r = cluster.kubectl("apply", "-f", "-", check=False, input=json.dumps({
         "apiVersion": "cpuserve.dev/v1alpha1", "kind": "CPUModelServer", "metadata": {"name": "crd-src"},

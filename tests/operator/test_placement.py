@@ -243,3 +243,19 @@ def test_kubelet_policies_from_the_agents_annotation():
         "status": {"allocatable": {"cpu": "4", "memory": "8Gi"}}})
     assert n.cpu_manager == "static"
     assert node_from_api({"metadata": {"name": "n"}, "status": {}}).cpu_manager == ""
+
+
+def test_isa_known_only_from_node_feature_discovery():
+    """NFD spells flags its way (AVX512VNNI, AMXBF16): they satisfy requiredISA, and the pod's
+    nodeSelector names the label the node really has, so the kubelet admits it."""
+    n = node_from_api({"metadata": {"name": "nfd", "labels": {
+        "feature.node.kubernetes.io/cpu-cpuid.AVX512VNNI": "true", "feature.node.kubernetes.io/cpu-cpuid.AMXBF16": "true",
+        "cpuserve.dev/isa.avx2": "true"}, "annotations": {"cpuserve.dev/topology": json.dumps(
+            {"numaNodes": [{"id": 0, "cpus": "0-7", "memory": 64 << 30}]})}}, "status": {"conditions": [
+                {"type": "Ready", "status": "True"}]}})
+    s = spec(placement__requiredISA=["avx512_vnni", "amx_bf16", "avx2"])
+    (pl,) = plan(s, [n]).placements
+    assert b.build_pod(CR, s, pl)["spec"]["nodeSelector"] == {
+        "kubernetes.io/arch": "amd64", "feature.node.kubernetes.io/cpu-cpuid.AVX512VNNI": "true",
+        "feature.node.kubernetes.io/cpu-cpuid.AMXBF16": "true", "cpuserve.dev/isa.avx2": "true"}
+    assert plan(spec(placement__requiredISA=["avx512f"]), [n]).unplaced == 1

@@ -11,7 +11,7 @@ BUILD  ?= build
 DEPS := torch numpy "transformers>=4.50" tokenizers safetensors "gguf>=0.10" jinja2 accelerate \
         fastapi uvicorn pyzmq prometheus-client \
         pybind11 "scikit-build-core>=0.10" pytest pytest-timeout matplotlib openai httpx psutil hypothesis schemathesis \
-        kopf kubernetes pyyaml
+        kopf kubernetes pyyaml grpcio protobuf
 # The operator and its tests run in a virtualenv of their own, with no torch and no engine:
 # the operator image must not need them either.
 OVENV  := .venv-operator
@@ -51,8 +51,9 @@ test: host-deps test-kernels-cpp test-kernels-cross test-python test-operator te
 host-deps:
 	hack/host-deps.sh
 
+# Everything that needs no control plane, the operator's pure tests included (-m "not cluster").
 test-python: install
-	$(PY) -m pytest tests -q --ignore=tests/operator --ignore=tests/images --ignore=tests/e2e
+	$(PY) -m pytest tests -q -m "not cluster" --ignore=tests/images --ignore=tests/e2e
 
 # Built and installed as wheels (not editable): this proves they build on their own.
 install-operator: $(OSTAMP)

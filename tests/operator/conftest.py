@@ -22,6 +22,18 @@ ASSETS = os.environ.get("KUBEBUILDER_ASSETS")
 NEEDED = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests that need the control plane are marked `cluster`: `make test-python` runs the
+    others (-m "not cluster"), `make test-operator` all of them."""
+    for item in items:
+        if "cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cluster)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cluster: needs the envtest control plane (KUBEBUILDER_ASSETS)")
+
+
 def pytest_report_header(config):
     if ASSETS and Path(ASSETS, "kube-apiserver").exists():
         out = subprocess.run([str(Path(ASSETS, "kube-apiserver")), "--version"], capture_output=True, text=True)

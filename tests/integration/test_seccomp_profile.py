@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from tests.engine.live_topology import NUMA_FORBIDDEN, numa_calls_allowed
+
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = ROOT / "charts" / "cpuserve" / "files" / "seccomp-numa.json"
 RUNNER = str(ROOT / "tests" / "engine" / "platform" / "seccomp_profile.py")
@@ -26,6 +30,8 @@ def run(*args):
 
 
 def test_numa_calls_allowed_under_the_profile():
+    if not numa_calls_allowed():
+        pytest.skip(NUMA_FORBIDDEN)
     r = run("-m", "cpuserve", "topology", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["memory_binding"]["effective"] is True

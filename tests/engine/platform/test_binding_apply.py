@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine.live_topology import NUMA_FORBIDDEN, allowed_nodes, node_cpus, numa_calls_allowed
+
 HERE = Path(__file__).parent
 SECCOMP = str(HERE / "seccomp_numa.py")
 
@@ -19,17 +21,17 @@ logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 from cpuserve.platform.binding import RankBinding
 from cpuserve.platform.pinning import apply_rank_binding
 from cpuserve import _C
-cpus = tuple(json.loads(sys.argv[1]))
-r = apply_rank_binding(RankBinding(0, cpus, len(cpus), 0, 1 << 30), [0])
-r2 = apply_rank_binding(RankBinding(0, cpus, len(cpus), 0, 1 << 30), [0])  # again: still one warning
+cpus, node = tuple(json.loads(sys.argv[1])), int(sys.argv[2])
+r = apply_rank_binding(RankBinding(0, cpus, len(cpus), node, 1 << 30), [node])
+r2 = apply_rank_binding(RankBinding(0, cpus, len(cpus), node, 1 << 30), [node])  # again: still one warning
 print("RESULT", json.dumps(dict(threads=r.thread_cpus, membind=r.membind, effective=r.membind_effective,
                                 policy=_C.get_mempolicy())))
 """
 
 
-def run(args, cpus):
+def run(args, cpus, node):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    r = subprocess.run([sys.executable, *args, json.dumps(cpus)], capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, *args, json.dumps(cpus), str(node)], capture_output=True, text=True, env=env,
                        timeout=120)
     assert r.returncode == 0, r.stderr
     result = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT"))[7:])
@@ -44,19 +46,23 @@ def script(tmp_path):
 
 
 def test_threads_pinned_and_memory_bound(script):
-    cpus = sorted(os.sched_getaffinity(0))[::-1]  # reversed: thread i must follow cpus[i], not CPU order
-    result, log = run([script], cpus)
+    node = allowed_nodes()[-1]  # the last node this process may use (the only one on most machines)
+    cpus = node_cpus(node)[::-1]  # reversed: thread i must follow cpus[i], not CPU order
+    if not numa_calls_allowed():
+        pytest.skip(NUMA_FORBIDDEN)
+    result, log = run([script], cpus, node)
     assert result["threads"] == cpus
-    assert result["effective"] and result["membind"] == "bound to node 0"
+    assert result["effective"] and result["membind"] == f"bound to node {node}"
     err, mode, nodes = result["policy"]
-    assert err == 0 and mode == 2 and nodes == [0]  # MPOL_BIND to node 0
+    assert err == 0 and mode == 2 and nodes == [node]  # MPOL_BIND to that node
     assert "WARNING" not in log
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64", "s390x"), reason="no syscall table")
 def test_forbidden_numa_syscalls_give_one_warning(script):
-    cpus = sorted(os.sched_getaffinity(0))
-    result, log = run([SECCOMP, script], cpus)
+    node = allowed_nodes()[0]
+    cpus = node_cpus(node)
+    result, log = run([SECCOMP, script], cpus, node)
     assert result["threads"] == cpus              # thread pinning still works
     assert not result["effective"] and "EPERM" in result["membind"]
     warnings = [ln for ln in log.splitlines() if ln.startswith("WARNING")]

@@ -12,6 +12,7 @@ import pytest
 
 from cpuserve import SamplingParams
 from tests.engine.conftest import PROMPTS
+from tests.engine.live_topology import NUMA_FORBIDDEN, allowed, allowed_nodes, core_of, node_of, numa_calls_allowed
 
 SCRIPT = str(Path(__file__).parent / "tp_script.py")
 
@@ -32,11 +33,17 @@ def test_tp2_greedy_tokens_equal_tp1(llm_f32):
             llm_f32.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))]
     got, log = run("generate", 2, PROMPTS)
     assert got["tokens"] == want
-    cpus = sorted(os.sched_getaffinity(0))
-    # one core per rank, each thread on its own CPU, memory bound to the node
-    assert [r["thread_cpus"] for r in got["ranks"]] == [[cpus[0]], [cpus[1]]]
-    assert all(r["membind"] == "bound to node 0" for r in got["ranks"])
     assert all(calls > 0 and 0 <= wait <= secs for secs, calls, wait in got["comm"])  # both ranks took part
+    # each thread on its own allowed CPU, the ranks on cores of their own, each rank on one NUMA node
+    # (a node each where there are two), memory bound to it: what the kernel says of this machine
+    ranks = [r["thread_cpus"] for r in got["ranks"]]
+    assert all(ranks) and all(len(set(t)) == len(t) and set(t) <= set(allowed()) for t in ranks)
+    assert not {core_of(c) for c in ranks[0]} & {core_of(c) for c in ranks[1]}
+    nodes = [{node_of(c) for c in t} for t in ranks]
+    assert all(len(n) == 1 for n in nodes) and (len(allowed_nodes()) < 2 or nodes[0] != nodes[1])
+    if not numa_calls_allowed():
+        pytest.skip(NUMA_FORBIDDEN)
+    assert [r["membind"] for r in got["ranks"]] == [f"bound to node {min(n)}" for n in nodes]
 
 
 def test_dead_rank_stops_the_engine():

@@ -9,6 +9,7 @@ import psutil
 import pytest
 
 from tests.engine.conftest import PROMPTS
+from tests.engine.live_topology import allowed, allowed_nodes, core_of, node_cpus, node_of, threads_of_core
 from tests.engine.entrypoints.openai.conftest import Server
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
@@ -38,7 +39,9 @@ def test_tp2_server_matches_tp1_and_dies_with_a_rank(server):
     try:
         assert completions(s, PROMPTS) == want
         workers = tp_workers(s)
-        assert len(workers) == 1 and workers[0].cpu_affinity() == [sorted(os.sched_getaffinity(0))[1]]
+        assert len(workers) == 1  # rank 1, on CPUs of one NUMA node that rank 0 (the engine core) does not use
+        rank1 = set(workers[0].cpu_affinity())
+        assert rank1 <= set(allowed()) and len({node_of(c) for c in rank1}) == 1
         core = workers[0].parent()  # rank 0, the engine core
         workers[0].kill()
         assert s.proc.wait(60) != 0
@@ -53,13 +56,14 @@ def test_tp2_server_matches_tp1_and_dies_with_a_rank(server):
 
 
 def test_api_process_pinned_to_reserved_cpus():
-    cpus = sorted(os.sched_getaffinity(0))
+    node = node_cpus(allowed_nodes()[0])  # one rank: the first node it may use
+    reserved = threads_of_core(max(node, key=core_of))  # its last core, all that core's threads
     s = Server("--served-model-name", "smollm2", env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"})
     try:
         api = psutil.Process(s.proc.pid)
         core = [p for p in api.children() if "spawn_main" in " ".join(p.cmdline())][0]
-        assert api.cpu_affinity() == cpus[-1:]  # the reserved core: the last of the node
-        assert set(core.cpu_affinity()) <= set(cpus[:-1])  # engine threads on the rest
+        assert sorted(api.cpu_affinity()) == reserved  # the reserved core: the last of the node
+        assert set(core.cpu_affinity()) <= set(node) - set(reserved)  # engine threads on the rest
         r = httpx.post(s.url + "/v1/completions", timeout=60,
                        json={"model": "smollm2", "prompt": "Hello", "max_tokens": 4})
         assert r.status_code == 200

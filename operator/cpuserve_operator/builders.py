@@ -58,6 +58,18 @@ def engine_env(spec: ServerSpec, p: Placement) -> list[dict]:
     return [{"name": k, "value": v} for k, v in env.items()]
 
 
+def container_security(spec: ServerSpec) -> dict:
+    """Nothing but what the engine needs: no capability under a Localhost profile (it must allow
+    the NUMA calls itself, as the chart's cpuserve/numa.json does: Pod Security `restricted`),
+    else CAP_SYS_NICE, which RuntimeDefault wants before it allows mbind and set_mempolicy
+    (`baseline` forbids that capability: such namespaces need `privileged`)."""
+    caps = {"drop": ["ALL"]}
+    if spec.seccomp_type != "Localhost":
+        caps["add"] = ["SYS_NICE"]
+    return {"capabilities": caps, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True}
+
+
 def _probe(port_name: str, **kw) -> dict:
     return {"httpGet": {"path": "/health", "port": port_name}, **kw}
 
@@ -118,8 +130,7 @@ def build_pod(cr: dict, spec: ServerSpec, p: Placement, node_lost_grace_s: float
                 "env": engine_env(spec, p),
                 "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
                 "resources": {"requests": dict(resources), "limits": dict(resources)},  # Guaranteed QoS
-                "securityContext": {"capabilities": {"add": ["SYS_NICE"]}, "allowPrivilegeEscalation": False,
-                                    "readOnlyRootFilesystem": True},
+                "securityContext": container_security(spec),
                 "startupProbe": _probe("http", periodSeconds=5, failureThreshold=120, timeoutSeconds=3),
                 "readinessProbe": _probe("http", periodSeconds=5, failureThreshold=2, timeoutSeconds=3),
                 "livenessProbe": _probe("http", periodSeconds=10, failureThreshold=3, timeoutSeconds=5),

@@ -117,7 +117,7 @@ def parse_spec(name: str, spec: dict, default_image: str = DEFAULT_ENGINE_IMAGE)
         strategy=p.get("strategy", "PerNUMANode"), tp=int(p.get("tensorParallelSize", 1)),
         reserved_cpus=int(p.get("reservedCPUs", 1)), pinning=p.get("pinning", "Kubelet"),
         required_isa=tuple(p.get("requiredISA", [])), node_selector=dict(p.get("nodeSelector", {})),
-        seccomp_type=sec.get("type", "Unconfined"), seccomp_localhost=sec.get("localhostProfile"),
+        seccomp_type=sec.get("type", "RuntimeDefault"), seccomp_localhost=sec.get("localhostProfile"),
         replicas=int(spec.get("replicas", 1)),
         image=engine_image(img, default_image), pull_secrets=tuple(img.get("pullSecrets", [])),
         pull_policy=img.get("pullPolicy", "IfNotPresent"), service_type=svc.get("type", "ClusterIP"),

@@ -25,7 +25,7 @@ def test_defaults_columns_and_scale(cluster):
     assert spec["replicas"] == 1 and spec["engine"]["dtype"] == "auto" and spec["engine"]["kvCacheGiB"] == 4
     assert spec["placement"] == {"strategy": "PerNUMANode", "tensorParallelSize": 1, "reservedCPUs": 1,
                                  "pinning": "Kubelet", "requiredISA": []}
-    assert spec["seccompProfile"] == {"type": "Unconfined"} and spec["service"]["port"] == 8000
+    assert spec["seccompProfile"] == {"type": "RuntimeDefault"} and spec["service"]["port"] == 8000
     table = cluster.kubectl("get", "cms", "crd-defaults").stdout.splitlines()[0].split()
     assert table == ["NAME", "MODEL", "PHASE", "READY", "ENDPOINT", "AGE"]
     cluster.kubectl("scale", "cms/crd-defaults", "--replicas=3")

@@ -262,3 +262,27 @@ def test_two_replicas_on_two_numa_nodes_under_every_pinning(cluster, operator):
                                             for e in placed), name
             cluster.kubectl("delete", "cms", name, "-n", NS, "--wait=false")
             wait_for(lambda: not kubelet(cluster, ready=False, name=name) and not pods(cluster, name), 60, "gone")
+
+
+@pytest.mark.parametrize("seccomp,admitted", [
+    ({"type": "Localhost", "localhostProfile": "cpuserve/numa.json"}, {"restricted", "baseline", "privileged"}),
+    ({"type": "RuntimeDefault"}, {"privileged"}),
+])
+def test_pod_security_level_engine_pods_need(cluster, seccomp, admitted):
+    """What the README says: with the chart's Localhost profile an engine pod has no capability
+    and passes Pod Security `restricted`; with RuntimeDefault it needs CAP_SYS_NICE, which
+    `baseline` forbids. The API server's PodSecurity admission decides (server-side dry run)."""
+    from cpuserve_operator import builders as b
+    from cpuserve_operator.placement import parse_spec, plan
+    from test_placement import machine
+
+    spec = parse_spec("pss", {"seccompProfile": seccomp})
+    (pl,) = plan(spec, [machine("n")]).placements
+    for level in ("restricted", "baseline", "privileged"):
+        ns = f"pss-{level}"
+        cluster.kubectl("create", "namespace", ns, check=False)
+        cluster.kubectl("label", "namespace", ns, f"pod-security.kubernetes.io/enforce={level}", "--overwrite")
+        pod = b.build_pod({"metadata": {"name": "pss", "namespace": ns, "uid": "00000000-0000-0000-0000-00000000000a"}},
+                          spec, pl)
+        r = cluster.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(pod), check=False)
+        assert (r.returncode == 0) == (level in admitted), f"{level}: {r.stderr}"

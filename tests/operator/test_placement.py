@@ -133,8 +133,8 @@ def test_pod_is_guaranteed_pinned_and_probed():
     c = pod["spec"]["containers"][0]
     assert pod["metadata"]["name"] == f"llm-{s.hash()[:6]}-0" == b.pod_name(s, 0)
     assert c["resources"]["requests"] == c["resources"]["limits"] == {"cpu": "14", "memory": str(6 * GiB)}
-    assert c["securityContext"]["capabilities"]["add"] == ["SYS_NICE"]
-    assert pod["spec"]["securityContext"]["seccompProfile"] == {"type": "Unconfined"}
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_NICE"]}
+    assert pod["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     assert pod["spec"]["nodeName"] == "a" and pod["spec"]["nodeSelector"] == {"kubernetes.io/arch": "amd64"}
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2,3,4,5,6" and env["CPU_VISIBLE_MEMORY_NODES"] == "0"

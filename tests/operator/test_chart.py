@@ -105,3 +105,53 @@ def test_operator_works_with_the_charts_rbac(cluster):
         proc.wait(20)
         cluster.kubectl("delete", "namespace", "rbac", "--wait=false", check=False)
         cluster.kubectl("delete", "node", "rbac-node", check=False)
+
+
+def test_node_agent_may_change_only_its_own_node(cluster):
+    """The chart's ValidatingAdmissionPolicy, enforced by the real API server on a token bound
+    to an agent pod on node agent-a: node agent-a and its pods may be patched, agent-b and its
+    pods may not, and an unbound token may patch nothing."""
+    import json
+    import time
+
+    rendered = [d for d in yaml.safe_load_all(helm("template", "cpuserve", str(CHART), "--namespace",
+                                                   "cpuserve-system")) if d]
+    kinds = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
+             "ValidatingAdmissionPolicyBinding")
+    cluster.kubectl("create", "namespace", "cpuserve-system", check=False)
+    cluster.kubectl("apply", "-f", "-", input="\n---\n".join(yaml.safe_dump(d) for d in rendered if d["kind"] in kinds))
+    for n in ("agent-a", "agent-b"):
+        cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "Node", "metadata": {"name": n}}))
+        cluster.kubectl("apply", "-f", "-", input=json.dumps({
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"engine-{n}", "namespace": "default",
+                                                            "labels": {"cpuserve.dev/server": "x"}},
+            "spec": {"nodeName": n, "containers": [{"name": "engine", "image": "x"}]}}))
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "agent-pod", "namespace": "cpuserve-system"},
+        "spec": {"nodeName": "agent-a", "serviceAccountName": "cpuserve-node-agent",
+                 "containers": [{"name": "agent", "image": "x"}]}}))
+
+    def as_agent(bound: bool, *args):
+        extra = ["--bound-object-kind", "Pod", "--bound-object-name", "agent-pod"] if bound else []
+        token = cluster.kubectl("create", "token", "cpuserve-node-agent", "-n", "cpuserve-system", *extra).stdout.strip()
+        return cluster.kubectl("--token", token, *args, check=False)
+
+    def patch(bound, *target):
+        return as_agent(bound, "patch", *target, "--type=merge", "-p",
+                        '{"metadata":{"annotations":{"cpuserve.dev/test":"1"}}}')
+
+    # the policy takes a moment to be loaded by the API server
+    deadline = time.monotonic() + 30
+    while patch(True, "node", "agent-b").returncode == 0 and time.monotonic() < deadline:
+        time.sleep(1)
+    assert patch(True, "node", "agent-a").returncode == 0
+    r = patch(True, "node", "agent-b")
+    assert r.returncode != 0 and "node agent-a may change only that node and its pods" in r.stderr, r.stderr
+    assert patch(True, "pod", "-n", "default", "engine-agent-a").returncode == 0
+    assert patch(True, "pod", "-n", "default", "engine-agent-b").returncode != 0
+    r = patch(False, "node", "agent-a")
+    assert r.returncode != 0 and "unknown node" in r.stderr, r.stderr
+    for n in ("agent-a", "agent-b"):
+        cluster.kubectl("delete", "pod", "-n", "default", f"engine-{n}", "--grace-period=0", "--force", check=False)
+        cluster.kubectl("delete", "node", n, check=False)
+    cluster.kubectl("delete", "pod", "-n", "cpuserve-system", "agent-pod", "--grace-period=0", "--force", check=False)

@@ -86,22 +86,58 @@ def report_kubelet(node_name: str, socket: str) -> bool:
     return True
 
 
+def bound(topology: dict) -> str:
+    """The pod annotation for what an engine's GET /topology says: the CPUs its ranks' threads
+    run on and the NUMA nodes their memory is bound to (none where the kernel refused)."""
+    from cpuserve_topology import format_cpulist, parse_cpulist
+
+    cpus = sorted({c for r in topology.get("ranks", []) for c in parse_cpulist(r.get("cpus") or "")})
+    mem = sorted({r["memoryNode"] for r in topology.get("ranks", []) if r.get("memoryNode") is not None})
+    return json.dumps({"cpus": format_cpulist(cpus), "memoryNodes": mem}, sort_keys=True)
+
+
+def engine_topology(pod: dict, timeout: float = 3) -> dict | None:
+    """GET /topology of a Ready engine pod (None when it does not answer)."""
+    import urllib.request
+
+    ip = (pod.get("status") or {}).get("podIP")
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True"
+                for c in (pod.get("status") or {}).get("conditions") or [])
+    c = next((c for c in pod["spec"]["containers"] if c["name"] == "engine"), None)
+    port = next((p["containerPort"] for p in (c or {}).get("ports") or [] if p.get("name") == "http"), None)
+    if not (ip and ready and port):
+        return None
+    try:
+        with urllib.request.urlopen(f"http://{ip}:{port}/topology", timeout=timeout) as r:
+            return json.load(r)
+    except (OSError, ValueError) as e:
+        log.info("%s/%s: no /topology (%s)", pod["metadata"]["namespace"], pod["metadata"]["name"], e)
+        return None
+
+
 def report_assignments(node_name: str, socket: str) -> int:
-    """Records on each cpuserve pod of this node what the kubelet assigned it; returns
-    how many pods changed."""
+    """Records on each cpuserve pod of this node what the kubelet assigned it and where its
+    engine bound itself; returns how many pods changed."""
     from kubernetes import client
 
-    from cpuserve_operator.builders import A_ASSIGNED, L_SERVER
+    from cpuserve_operator.builders import A_ASSIGNED, A_BOUND, L_SERVER
     from cpuserve_operator.podresources import list_pod_resources
 
     core = client.CoreV1Api()
     pods = core.list_pod_for_all_namespaces(label_selector=L_SERVER, field_selector=f"spec.nodeName={node_name}")
     pods = [client.ApiClient().sanitize_for_serialization(p) for p in pods.items]
-    by_key = {(p["metadata"]["namespace"], p["metadata"]["name"]): p for p in pods}
+    want = {k: {A_ASSIGNED: v} for k, v in assignments(pods, list_pod_resources(socket)).items()}
+    for p in pods:
+        topo = engine_topology(p)
+        if topo is not None:
+            want.setdefault((p["metadata"]["namespace"], p["metadata"]["name"]), {})[A_BOUND] = bound(topo)
     changed = 0
-    for (ns, name), value in assignments(pods, list_pod_resources(socket)).items():
-        if (by_key[ns, name]["metadata"].get("annotations") or {}).get(A_ASSIGNED, "") != value:
-            core.patch_namespaced_pod(name, ns, {"metadata": {"annotations": {A_ASSIGNED: value or None}}})
+    by_key = {(p["metadata"]["namespace"], p["metadata"]["name"]): p for p in pods}
+    for (ns, name), values in want.items():
+        have = by_key[ns, name]["metadata"].get("annotations") or {}
+        patch = {k: v or None for k, v in values.items() if have.get(k, "") != v}
+        if patch:
+            core.patch_namespaced_pod(name, ns, {"metadata": {"annotations": patch}})
             changed += 1
     return changed
 

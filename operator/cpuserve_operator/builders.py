@@ -10,6 +10,7 @@ GROUP, VERSION, PLURAL, KIND = "cpuserve.dev", "v1alpha1", "cpumodelservers", "C
 L_SERVER, L_REPLICA, L_HASH = "cpuserve.dev/server", "cpuserve.dev/replica", "cpuserve.dev/spec-hash"
 A_SLOT, A_CPUS = "cpuserve.dev/slot", "cpuserve.dev/cpus"
 A_ASSIGNED = "cpuserve.dev/assigned"  # the node agent: {"cpus", "memoryNodes"} the kubelet gave the engine
+A_BOUND = "cpuserve.dev/bound"        # the node agent: {"cpus", "memoryNodes"} the engine bound to (its /topology)
 SHM_BYTES_PER_RANK = 2 * 4 << 20      # the engine's all-reduce slots (2 parities x 4 MiB per rank)
 MODEL_MOUNT = "/models"
 

@@ -324,15 +324,19 @@ def _condition(old: list, type_: str, status: bool, reason: str, message: str, g
 
 
 def _placement(pod) -> dict:
-    """A pod's entry in status.placements: its NUMA slot, and its CPUs: the operator's lists
-    under pinning Engine, else what the kubelet gave the engine (the node agent records it)."""
+    """A pod's entry in status.placements: its NUMA slot, and the CPUs and memory nodes it
+    really has, from the best witness there is: the engine's own GET /topology, else the
+    kubelet's assignment (both recorded by the node agent), else the operator's plan."""
     ann = pod.metadata.annotations or {}
-    assigned = json.loads(ann.get(b.A_ASSIGNED) or "{}")
     out = {"pod": pod.metadata.name, "node": pod.spec.node_name or "",
            "numaNodes": [int(x) for x in ann.get(b.A_SLOT, "/").split("/")[1].split(",") if x != ""],
-           "cpus": ann.get(b.A_CPUS) or assigned.get("cpus", ""), "ready": _pod_ready(pod)}
-    if "memoryNodes" in assigned:
-        out["memoryNodes"] = assigned["memoryNodes"]
+           "cpus": ann.get(b.A_CPUS, ""), "ready": _pod_ready(pod), "reportedBy": "operator"}
+    for key, who in ((b.A_ASSIGNED, "kubelet"), (b.A_BOUND, "engine")):
+        seen = json.loads(ann.get(key) or "{}")
+        if seen.get("cpus"):
+            out.update(cpus=seen["cpus"], reportedBy=who)
+            if "memoryNodes" in seen:
+                out["memoryNodes"] = seen["memoryNodes"]
     return out
 
 

@@ -42,3 +42,39 @@ def test_agent_publishes_on_a_node(cluster):
     topo = json.loads(node["metadata"]["annotations"]["cpuserve.dev/topology"])
     assert [n["cpus"] for n in topo["numaNodes"]] == ["0-7", "8-15"] and topo["arch"] == "aarch64"
     cluster.kubectl("delete", "node", "agent-node")
+
+
+def test_engine_topology_recorded_as_the_bound_annotation():
+    """The agent asks a Ready engine pod where it runs (GET /topology, here a real HTTP server
+    answering as the engine does) and records the union of its ranks."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from cpuserve_operator.agent import bound, engine_topology
+
+    answer = {"ranks": [{"rank": 0, "cpus": "1-3", "memoryNode": 0, "membind": "bound to node 0"},
+                        {"rank": 1, "cpus": "9-11", "memoryNode": None, "membind": "refused: set_mempolicy EPERM"}]}
+
+    class Engine(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = json.dumps(answer).encode() if self.path == "/topology" else b""
+            self.send_response(200 if body else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Engine)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    pod = {"metadata": {"namespace": "llm", "name": "p"},
+           "spec": {"containers": [{"name": "engine", "ports": [{"name": "http", "containerPort": srv.server_port}]}]},
+           "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}
+    try:
+        topo = engine_topology(pod)
+        assert topo == answer
+        assert json.loads(bound(topo)) == {"cpus": "1-3,9-11", "memoryNodes": [0]}
+        pod["status"]["conditions"][0]["status"] = "False"
+        assert engine_topology(pod) is None  # only Ready engines are asked
+    finally:
+        srv.shutdown()

@@ -254,14 +254,25 @@ def test_two_replicas_on_two_numa_nodes_under_every_pinning(cluster, operator):
                                   and cms(cluster, name)["status"]["placements"], 20, f"{name}: placements")
             if policy == "static":
                 assert [p["memoryNodes"] for p in placements] == [[1], [0]], name
+                assert {p["reportedBy"] for p in placements} == {"kubelet"}
             else:
                 assert [p["numaNodes"] for p in placements] == [[0], [1]], name
+                assert {p["reportedBy"] for p in placements} == {"operator"}
+            # the engines answer GET /topology (the agent records it): status shows where they really are
+            where = (1, 0) if policy == "static" else (0, 1)
+            for p, node in zip(got, where):
+                cluster.kubectl("annotate", "pod", "-n", NS, p["metadata"]["name"], "cpuserve.dev/bound=" +
+                                json.dumps({"cpus": f"{4 * node + 1}-{4 * node + 3}", "memoryNodes": [node]}))
+            placements = wait_for(lambda: {p["reportedBy"] for p in cms(cluster, name)["status"]["placements"]}
+                                  == {"engine"} and cms(cluster, name)["status"]["placements"], 20, "engine report")
+            assert [p["memoryNodes"] for p in placements] == [[n] for n in where], name
             placed = [e for e in cluster.get("events", "-n", NS, "--field-selector",
                                              f"involvedObject.name={name},reason=Placed")["items"]]
             assert len(placed) == 2 and all(("static CPU manager" in e["message"]) == (policy == "static")
                                             for e in placed), name
             cluster.kubectl("delete", "cms", name, "-n", NS, "--wait=false")
-            wait_for(lambda: not kubelet(cluster, ready=False, name=name) and not pods(cluster, name), 60, "gone")
+            wait_for(lambda: not kubelet(cluster, ready=False, name=name) and not pods(cluster, name), 180,
+                     "garbage collection")
 
 
 @pytest.mark.parametrize("seccomp,admitted", [

@@ -112,4 +112,4 @@ def test_a_not_ready_blip_kills_nothing_a_lost_node_is_replaced(cluster, operato
     assert all(p["metadata"]["deletionGracePeriodSeconds"] == 30 for p in doomed)  # not forced at once
     cluster.kubectl("delete", "cms", "blip", "-n", NS, "--wait=false")
     node_ready(cluster, "blip-a", "True")
-    wait_for(lambda: not kubelet(cluster, ready=False, name="blip") and not pods(cluster, "blip"), 30, "cleanup")
+    wait_for(lambda: not kubelet(cluster, ready=False, name="blip") and not pods(cluster, "blip"), 180, "cleanup")

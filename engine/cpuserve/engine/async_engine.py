@@ -11,7 +11,7 @@ import os
 import pickle
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from cpuserve.engine import core_process as cp
@@ -47,6 +47,7 @@ class ModelInfo:
     dtype: str
     load_seconds: float
     pid: int
+    binding: list = field(default_factory=list)  # per rank: cpus, memoryNode, membind (GET /topology)
 
 
 class Mailbox:

@@ -22,6 +22,15 @@ ADD, ABORT, STOP_SEQ, SHUTDOWN = "add", "abort", "stop_seq", "shutdown"
 READY, OUTPUTS, REJECTED, FATAL = "ready", "outputs", "rejected", "fatal"
 
 
+def bound_ranks(runner) -> list[dict]:
+    """Where each rank's threads and memory really are (what `GET /topology` answers)."""
+    from cpuserve.platform.pinning import describe_binding
+
+    reports = [runner.binding.__dict__] if getattr(runner, "binding", None) is not None else []
+    reports += [info["binding"] for info in getattr(runner, "rank_info", None) or [] if info.get("binding")]
+    return [describe_binding(r) for r in reports]
+
+
 def run_engine_core(config, input_addr: str, output_addr: str) -> None:
     """Entry point of the spawned process: load, report READY (or FATAL), then loop."""
     import zmq
@@ -46,7 +55,8 @@ def run_engine_core(config, input_addr: str, output_addr: str) -> None:
         send(READY, dict(model_dir=str(core.runner.model_dir), max_model_len=core.max_model_len,
                          vocab_size=core.vocab_size, num_blocks=core.runner.num_blocks,
                          block_size=config.block_size, dtype=str(core.runner.dtype).replace("torch.", ""),
-                         load_seconds=core.runner.load_seconds, pid=os.getpid()))
+                         load_seconds=core.runner.load_seconds, pid=os.getpid(),
+                         binding=bound_ranks(core.runner)))
     except Exception as e:  # a bad model or configuration: the API process reports it and exits
         send(FATAL, f"{type(e).__name__}: {e}")
         sys.exit(1)

@@ -47,6 +47,14 @@ class BindingReport:
         return self.membind.startswith("bound")
 
 
+def describe_binding(report: dict) -> dict:
+    """A rank's binding as reported outside (a BindingReport's fields): its threads' CPUs and,
+    only where the kernel accepted the policy, its memory node."""
+    bound = str(report.get("membind", "")).startswith("bound")
+    return {"rank": report["rank"], "cpus": format_cpulist(report.get("thread_cpus") or []),
+            "memoryNode": report.get("mem_node") if bound else None, "membind": report.get("membind", "")}
+
+
 def pin_process(cpus) -> None:
     """Pins every thread of this process (os.sched_setaffinity only moves the caller)."""
     cpus = set(cpus)

@@ -86,6 +86,31 @@ def test_models_tokenize_detokenize_version(server, client):
     assert httpx.get(server.url + "/version").json()["version"]
 
 
+def test_topology_says_where_the_engine_runs(server):
+    """GET /topology: the engine core's own threads' CPUs and memory node, as the kernel has them."""
+    import psutil
+
+    from tests.engine.live_topology import allowed, node_of, numa_calls_allowed
+
+    (rank,) = httpx.get(server.url + "/topology").json()["ranks"]
+    core = next(p for p in psutil.Process(server.proc.pid).children() if "spawn_main" in " ".join(p.cmdline()))
+    threads = {t.id for t in core.threads()}
+    cpus = set(parse_cpus(rank["cpus"]))
+    assert rank["rank"] == 0 and cpus and cpus <= set(allowed()) and threads
+    if numa_calls_allowed():
+        assert rank["memoryNode"] == node_of(min(cpus)) and rank["membind"] == f"bound to node {rank['memoryNode']}"
+    else:
+        assert rank["memoryNode"] is None and rank["membind"].startswith("refused")
+
+
+def parse_cpus(text):
+    out = []
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
 def test_request_id_echoed(server):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
                    headers={"X-Request-Id": "abc-123"})

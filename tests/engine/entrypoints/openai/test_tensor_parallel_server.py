@@ -9,6 +9,8 @@ import psutil
 import pytest
 
 from tests.engine.conftest import PROMPTS
+from cpuserve_topology import format_cpulist
+
 from tests.engine.live_topology import allowed, allowed_nodes, core_of, node_cpus, node_of, threads_of_core
 from tests.engine.entrypoints.openai.conftest import Server
 
@@ -42,6 +44,8 @@ def test_tp2_server_matches_tp1_and_dies_with_a_rank(server):
         assert len(workers) == 1  # rank 1, on CPUs of one NUMA node that rank 0 (the engine core) does not use
         rank1 = set(workers[0].cpu_affinity())
         assert rank1 <= set(allowed()) and len({node_of(c) for c in rank1}) == 1
+        ranks = httpx.get(s.url + "/topology").json()["ranks"]  # what the engine reports: the same CPUs
+        assert [r["rank"] for r in ranks] == [0, 1] and ranks[1]["cpus"] == format_cpulist(rank1)
         core = workers[0].parent()  # rank 0, the engine core
         workers[0].kill()
         assert s.proc.wait(60) != 0

@@ -1,4 +1,4 @@
-"""GET /health, /version and /metrics: what probes and monitoring read."""
+"""GET /health, /version, /topology and /metrics: what probes, the node agent and monitoring read."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -17,6 +17,18 @@ async def health(request: Request):
     if engine.dead:
         return error_response(503, f"engine core is down: {engine.dead_reason}", "service_unavailable")
     return Response(status_code=200)
+
+
+@router.get("/topology")
+async def topology(request: Request):
+    """Where the engine's ranks really run: each rank's thread CPUs and the NUMA node its memory
+    is bound to (null where the kernel refused the policy). The node agent records it on the
+    pod, and the CPUModelServer's status.placements shows it."""
+    engine = server_state(request).engine
+    info = getattr(engine, "info", None)
+    if info is None:
+        return error_response(503, "the engine is still loading", "service_unavailable")
+    return {"ranks": info.binding}
 
 
 @router.get("/version")

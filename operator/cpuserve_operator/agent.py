@@ -21,7 +21,8 @@ def describe(root: str = "/", status: str | None = None) -> tuple[dict, dict]:
 
     topo = read_topology(root, status=status) if (root != "/" or status) else read_topology()
     tpc = max((len(c.siblings) for c in topo.cpus.values()), default=1)
-    numa = [{"id": n.id, "cpus": format_cpulist(n.cpus), "memory": n.mem_total} for n in topo.nodes]
+    numa = [{"id": n.id, "cpus": format_cpulist(n.cpus), "cores": format_cpulist(topo.physical_cores(n.cpus)),
+             "memory": n.mem_total} for n in topo.nodes]
     labels = {f"{LABEL_PREFIX}numa-nodes": str(len(topo.nodes)),
               f"{LABEL_PREFIX}smt": "true" if topo.smt else "false",
               f"{LABEL_PREFIX}cpus-per-numa-node": str(min(len(n.cpus) for n in topo.nodes)),

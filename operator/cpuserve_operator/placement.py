@@ -28,10 +28,14 @@ class NumaNode:
     cpus: tuple[int, ...]          # logical CPU ids
     memory: int                    # bytes
     threads_per_core: int = 1
+    cores: tuple[int, ...] = ()    # the first thread of each core, as the node agent read the siblings
 
     @property
     def physical_cores(self) -> tuple[int, ...]:
-        """First thread of each core, assuming the kernel's numbering (siblings share a core)."""
+        """First thread of each core: what the agent published, else the common numbering's guess
+        (all first threads, then all second threads) for topology published by older agents."""
+        if self.cores:
+            return self.cores
         n = max(1, len(self.cpus) // max(1, self.threads_per_core))
         return self.cpus[:n]
 
@@ -46,7 +50,13 @@ class Node:
     ready: bool = True
     schedulable: bool = True
     known_topology: bool = True    # False: nothing published; seen as one NUMA node of its allocatable CPUs
+    cpu_ids_known: bool = True     # False: counts only (NodeResourceTopology, nothing published)
     cpu_manager: str = ""          # the kubelet's CPU manager policy: static, none, or "" (not reported)
+
+    @property
+    def lists_possible(self) -> bool:
+        """CPU lists can be given only where the node's real CPU ids are known."""
+        return self.known_topology and self.cpu_ids_known
 
 
 @dataclass(frozen=True)
@@ -153,7 +163,8 @@ def node_from_api(node: dict, nrt: dict | None = None) -> Node:
     if TOPOLOGY_ANNOTATION in ann:
         data = json.loads(ann[TOPOLOGY_ANNOTATION])
         tpc = int(data.get("threadsPerCore", 1))
-        numa = [NumaNode(int(n["id"]), _cpulist(n["cpus"]), int(n["memory"]), tpc) for n in data["numaNodes"]]
+        numa = [NumaNode(int(n["id"]), _cpulist(n["cpus"]), int(n["memory"]), tpc, _cpulist(n.get("cores", "")))
+                for n in data["numaNodes"]]
     elif nrt is not None:  # topology.node.k8s.io NodeResourceTopology: zones of type Node
         for z in nrt.get("zones", []) or []:
             if z.get("type") != "Node":
@@ -162,13 +173,14 @@ def node_from_api(node: dict, nrt: dict | None = None) -> Node:
             cpus = int(_quantity(res.get("cpu", {}).get("capacity", "0")))
             mem = int(_quantity(res.get("memory", {}).get("capacity", "0")))
             nid = int(z["name"].rsplit("-", 1)[-1]) if z["name"].rsplit("-", 1)[-1].isdigit() else len(numa)
-            numa.append(NumaNode(nid, tuple(range(cpus)), mem))  # ids unknown: counts only
+            numa.append(NumaNode(nid, tuple(range(cpus)), mem))  # ids unknown: counts only (cpu_ids_known)
     if not numa:
         known = False
         alloc = status.get("allocatable", {}) or {}
         numa = [NumaNode(0, tuple(range(int(_quantity(alloc.get("cpu", "0"))))), int(_quantity(alloc.get("memory", "0"))))]
     return Node(meta["name"], arch, tuple(sorted(numa, key=lambda n: n.id)), frozenset(isa), labels, ready,
-                schedulable, known, str(kubelet.get("cpuManagerPolicy", "")))
+                schedulable, known, cpu_ids_known=TOPOLOGY_ANNOTATION in ann,
+                cpu_manager=str(kubelet.get("cpuManagerPolicy", "")))
 
 
 _SUFFIX = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10**3, "M": 10**6, "G": 10**9,
@@ -234,7 +246,7 @@ def engine_binds(spec: ServerSpec, node: Node) -> bool:
     slot's CPU lists: always under pinning Engine, and under pinning Kubelet where the agent
     reports the CPU manager is `none` (where nothing is reported, "auto" is the safe choice:
     lists outside an unknown cpuset would stop the engine)."""
-    if node.cpu_manager == "static":
+    if node.cpu_manager == "static" or not node.lists_possible:  # no lists without real CPU ids
         return False
     return spec.pinning == "Engine" or node.cpu_manager == "none"
 
@@ -269,8 +281,8 @@ def eligible(node: Node, spec: ServerSpec) -> str | None:
     for k, v in spec.node_selector.items():
         if node.labels.get(k) != v:
             return f"label {k}!={v}"
-    if spec.pinning == "Engine" and not node.known_topology:
-        return "no published topology (pinning Engine needs CPU lists)"
+    if spec.pinning == "Engine" and not node.lists_possible and node.cpu_manager != "static":
+        return "CPU ids unknown (no cpuserve.dev/topology: pinning Engine needs CPU lists)"
     return None
 
 

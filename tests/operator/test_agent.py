@@ -78,3 +78,37 @@ def test_engine_topology_recorded_as_the_bound_annotation():
         assert engine_topology(pod) is None  # only Ready engines are asked
     finally:
         srv.shutdown()
+
+
+def node_of_tree(name):
+    labels, ann = describe(str(TREES / name))
+    return node_from_api({"metadata": {"name": name, "labels": {**labels, "kubernetes.io/arch": "amd64"},
+                                       "annotations": ann},
+                          "status": {"conditions": [{"type": "Ready", "status": "True"}]}})
+
+
+def test_real_multi_socket_machines_place_one_thread_per_core():
+    """Trees of real machines (hwloc's recordings, see each tree's SOURCE) through the agent and
+    the planner: pinning Engine gives each replica the first thread of each core of its node,
+    one core reserved, however the machine numbers its CPUs."""
+    spec = parse_spec("x", {"model": {"source": "packaged://m"}, "replicas": 4, "engine": {"kvCacheGiB": 4},
+                            "placement": {"pinning": "Engine"}})
+    sl390 = plan(spec, [node_of_tree("hp_sl390s_g7_2s_6c2t")])  # NUMA node 0: the even CPUs, siblings +12
+    assert [p.rank_cpus for p in sl390.placements] == [((0, 2, 4, 6, 8),), ((1, 3, 5, 7, 9),)]
+    assert sl390.unplaced == 2 and [p.cpus for p in sl390.placements] == [10, 10]
+    x9 = plan(spec, [node_of_tree("supermicro_x9drg_2s_8c2t")])  # siblings +16
+    assert [p.rank_cpus for p in x9.placements] == [(tuple(range(7)),), (tuple(range(8, 15)),)]
+    ibm = plan(spec, [node_of_tree("ibm_x3950_m2_4n_24c")])  # four nodes of 24 cores, no SMT
+    assert [p.slot.numa for p in ibm.placements] == [(0,), (1,), (2,), (3,)]
+    assert all(len(p.rank_cpus[0]) == 23 for p in ibm.placements)
+
+
+def test_adjacent_sibling_numbering_is_read_not_assumed():
+    """Siblings numbered 0/1, 2/3, ...: the agent publishes each node's cores, so the engine's
+    list is one thread per core (0,2,...), not the first half of the node's CPUs (0-7)."""
+    node = node_of_tree("epyc_1s_adjacent_smt")
+    assert node.numa[0].cores == tuple(range(0, 16, 2))
+    spec = parse_spec("x", {"model": {"source": "packaged://m"}, "engine": {"kvCacheGiB": 4},
+                            "placement": {"pinning": "Engine"}})
+    (pl,) = plan(spec, [node]).placements
+    assert pl.rank_cpus == (tuple(range(0, 14, 2)),) and pl.cpus == 16 - 2

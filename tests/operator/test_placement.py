@@ -76,7 +76,7 @@ def test_engine_pinning_lists_and_exclusive_slots():
     assert pl.rank_cpus == (tuple(range(8, 15)),)  # NUMA 1's first threads 8-15, the last core reserved
     unknown = Node("bare", "amd64", (NumaNode(0, tuple(range(8)), 64 * GiB),), known_topology=False)
     p = plan(s, [unknown])
-    assert p.placements == [] and "no published topology" in p.reason
+    assert p.placements == [] and "CPU ids unknown" in p.reason
     assert plan(spec(replicas=1), [unknown]).placements[0].cpus == 7  # Kubelet pinning: counts suffice
 
 
@@ -259,3 +259,18 @@ def test_isa_known_only_from_node_feature_discovery():
         "kubernetes.io/arch": "amd64", "feature.node.kubernetes.io/cpu-cpuid.AVX512VNNI": "true",
         "feature.node.kubernetes.io/cpu-cpuid.AMXBF16": "true", "cpuserve.dev/isa.avx2": "true"}
     assert plan(spec(placement__requiredISA=["avx512f"]), [n]).unplaced == 1
+
+
+def test_node_resource_topology_gives_counts_not_cpu_ids():
+    """A node known only from a NodeResourceTopology object: slots and sizes from its zones,
+    but no CPU lists (its CPU ids are unknown): pinning Engine refuses it, Kubelet binds "auto"."""
+    nrt = {"zones": [{"name": f"node-{i}", "type": "Node", "resources": [
+        {"name": "cpu", "capacity": "16"}, {"name": "memory", "capacity": "64Gi"}]} for i in range(2)]}
+    n = node_from_api({"metadata": {"name": "nrt"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}},
+                      nrt)
+    assert [x.id for x in n.numa] == [0, 1] and not n.lists_possible
+    engine = plan(spec(placement__pinning="Engine"), [n])
+    assert engine.placements == [] and "CPU ids unknown" in engine.reason
+    kubelet = plan(spec(replicas=2), [n])
+    assert [p.slot.numa for p in kubelet.placements] == [(0,), (1,)] and all(not p.rank_cpus
+                                                                            for p in kubelet.placements)

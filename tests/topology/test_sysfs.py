@@ -29,6 +29,28 @@ def test_parse_cpulist_rejects(bad):
         parse_cpulist(bad)
 
 
+def test_real_two_socket_machine_with_interleaved_numbering():
+    """HP ProLiant SL390s G7 as hwloc recorded it (trees/hp_sl390s_g7_2s_6c2t/SOURCE): the two
+    sockets' CPUs alternate, each core's sibling is 12 higher, core ids are 0,8,2,10,1,9."""
+    t = topo("hp_sl390s_g7_2s_6c2t")
+    assert [n.id for n in t.nodes] == [0, 1] and t.packages == [0, 1] and t.smt
+    assert t.nodes[0].cpus == tuple(range(0, 24, 2)) and t.nodes[1].cpus == tuple(range(1, 24, 2))
+    assert t.physical_cores(t.nodes[0].cpus) == [0, 2, 4, 6, 8, 10] and t.threads_of(2) == [2, 14]
+    assert round(t.nodes[1].mem_total / (1 << 30)) == 18 and "avx2" not in t.isa  # Westmere: SSE4.2 at most
+
+
+def test_real_four_node_machine():
+    """IBM x3950 M2 (trees/ibm_x3950_m2_4n_24c/SOURCE): four NUMA nodes of 24 cores, no SMT."""
+    t = topo("ibm_x3950_m2_4n_24c")
+    assert [len(n.cpus) for n in t.nodes] == [24] * 4 and not t.smt
+    assert t.nodes[2].cpus == tuple(range(48, 72))
+
+
+def test_adjacent_siblings():
+    t = topo("epyc_1s_adjacent_smt")
+    assert t.physical_cores(t.nodes[0].cpus) == list(range(0, 16, 2)) and t.threads_of(3) == [2, 3]
+
+
 def test_one_node_recorded_vm():
     t = topo("one_node_epyc_2c")
     assert [n.id for n in t.nodes] == [0] and t.nodes[0].cpus == (0, 1)

@@ -37,6 +37,8 @@ def engine_args(spec: ServerSpec) -> list[str]:
     elif source.startswith("pvc://"):
         claim, _, path = source[len("pvc://"):].partition("/")
         args.append(f"{MODEL_MOUNT}/{claim}/{path}".rstrip("/"))
+    elif source.startswith("image://"):  # an OCI image (or artifact) of the model, mounted read-only
+        args.append(f"{MODEL_MOUNT}/image/{spec.model_path}".rstrip("/"))
     # packaged://...: the image's default model, no argument
     args += ["--host", "0.0.0.0", "--port", str(spec.port), "--served-model-name", spec.served_name,
              "--dtype", spec.dtype, "--max-num-seqs", str(spec.max_num_seqs),
@@ -82,6 +84,23 @@ def tolerations(node_lost_grace_s: float) -> list[dict]:
              "tolerationSeconds": int(node_lost_grace_s)} for t in ("not-ready", "unreachable")]
 
 
+def model_claim(spec: ServerSpec) -> str | None:
+    return spec.model_source[len("pvc://"):].partition("/")[0] if spec.model_source.startswith("pvc://") else None
+
+
+def claim_rule(access_modes: list[str] | None, replicas: int) -> tuple[bool, str | None]:
+    """(all replicas on one node, refusal) for a pvc:// model claim with these access modes
+    (None: the claim does not exist). Pure."""
+    modes = set(access_modes or [])
+    if access_modes is None:
+        return False, "not found"
+    if modes & {"ReadOnlyMany", "ReadWriteMany"}:
+        return False, None
+    if modes == {"ReadWriteOncePod"}:
+        return False, None if replicas <= 1 else "is ReadWriteOncePod: one pod only; give replicas a ReadOnlyMany claim"
+    return True, None  # ReadWriteOnce: one node can mount it, so every replica runs there
+
+
 def build_pod(cr: dict, spec: ServerSpec, p: Placement, node_lost_grace_s: float = 300) -> dict:
     name = pod_name(spec, p.index)
     resources = {"cpu": str(p.cpus), "memory": str(p.memory)}
@@ -97,6 +116,10 @@ def build_pod(cr: dict, spec: ServerSpec, p: Placement, node_lost_grace_s: float
         claim = spec.model_source[len("pvc://"):].partition("/")[0]
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": f"{MODEL_MOUNT}/{claim}", "readOnly": True})
+    elif spec.model_source.startswith("image://"):  # Kubernetes image volumes: pulled like images, read-only
+        volumes.append({"name": "model", "image": {"reference": spec.model_source[len("image://"):],
+                                                   "pullPolicy": spec.pull_policy}})
+        mounts.append({"name": "model", "mountPath": f"{MODEL_MOUNT}/image", "readOnly": True})
     annotations = {A_SLOT: p.slot.key}
     if p.rank_cpus:
         annotations[A_CPUS] = "|".join(",".join(map(str, c)) for c in p.rank_cpus)

@@ -86,6 +86,7 @@ class ServerSpec:
     service_type: str
     port: int
     ingress: dict
+    model_path: str = ""           # image://: the model's directory or file inside the image
 
     @property
     def ranks(self) -> int:
@@ -93,7 +94,7 @@ class ServerSpec:
 
     def hash(self) -> str:
         """What the pods are built from (not replicas, service or ingress): a change rolls the pods."""
-        keys = ("model_source", "served_name", "size_gib", "dtype", "kv_cache_gib", "overhead_gib", "max_num_seqs",
+        keys = ("model_source", "model_path", "served_name", "size_gib", "dtype", "kv_cache_gib", "overhead_gib", "max_num_seqs",
                 "max_model_len", "extra_args", "strategy", "tp", "reserved_cpus", "pinning", "required_isa",
                 "node_selector", "seccomp_type", "seccomp_localhost", "image", "pull_secrets", "pull_policy", "port")
         blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True, default=list)
@@ -131,7 +132,7 @@ def parse_spec(name: str, spec: dict, default_image: str = DEFAULT_ENGINE_IMAGE)
         replicas=int(spec.get("replicas", 1)),
         image=engine_image(img, default_image), pull_secrets=tuple(img.get("pullSecrets", [])),
         pull_policy=img.get("pullPolicy", "IfNotPresent"), service_type=svc.get("type", "ClusterIP"),
-        port=int(svc.get("port", 8000)), ingress=ing)
+        port=int(svc.get("port", 8000)), ingress=ing, model_path=str(m.get("path", "")).strip("/"))
 
 
 # -- node topology from the API ------------------------------------------------------------------
@@ -305,7 +306,8 @@ def slot_resources(node: Node, slot: Slot, spec: ServerSpec) -> tuple[int, tuple
 
 
 def plan(spec: ServerSpec, nodes: list[Node], taken: dict[str, str] | None = None,
-         current: dict[int, Slot] | None = None, keep: set[str] | frozenset = frozenset()) -> Plan:
+         current: dict[int, Slot] | None = None, keep: set[str] | frozenset = frozenset(),
+         one_node: bool = False) -> Plan:
     """Places replicas 0..replicas-1. `current` keeps each existing replica's slot
     where it is still valid (no churn), and on the nodes in `keep` even when they are not
     eligible now (a NotReady node within its grace period); `taken` maps slot keys held by *other*
@@ -339,6 +341,9 @@ def plan(spec: ServerSpec, nodes: list[Node], taken: dict[str, str] | None = Non
             ok.append(slot)
         if ok:
             candidates.append(ok)
+    if one_node and candidates:  # a ReadWriteOnce model claim: every replica where one already runs
+        home = next((s.node for s in current.values() if any(s in g for g in candidates)), None)
+        candidates = [next((g for g in candidates if g[0].node == home), max(candidates, key=len))]
     # keep valid current placements, then fill the rest round-robin over machines
     valid = {s.key for group in candidates for s in group}
     placed: dict[int, Slot] = {i: s for i, s in current.items() if i < spec.replicas and

@@ -17,7 +17,7 @@ from kubernetes.client.rest import ApiException
 from cpuserve_operator import builders as b
 from cpuserve_operator import events
 from cpuserve_operator.metrics import EVENTS, QUEUE_SECONDS, RECONCILE_SECONDS, RECONCILES, observe_server
-from cpuserve_operator.placement import DEFAULT_ENGINE_IMAGE, Slot, node_from_api, parse_spec, plan
+from cpuserve_operator.placement import DEFAULT_ENGINE_IMAGE, Plan, Slot, node_from_api, parse_spec, plan
 from cpuserve_operator.podstate import Problem, node_lost_for, pod_problem
 
 log = logging.getLogger("cpuserve_operator")
@@ -177,11 +177,15 @@ def _reconcile(ns: str, name: str, api: client.ApiClient) -> None:
         return out
 
     new_slots, old_slots = slots_of(current), slots_of(old)
+    one_node, refusal = _model_claim(ps, spec)
     # where every replica lives once rolled (an old pod's slot is reused when nothing else is free;
     # a replica on a node within its NotReady grace stays there) ...
-    result = plan(spec, nodes, taken, {**old_slots, **new_slots}, keep=grace_nodes)
+    result = plan(spec, nodes, taken, {**old_slots, **new_slots}, keep=grace_nodes, one_node=one_node)
     # ... and where a replacement can start while the old pod still serves (surge by one)
-    surge = plan(spec, nodes, {**taken, **{s.key: "rolling" for s in old_slots.values()}}, new_slots, keep=grace_nodes)
+    surge = plan(spec, nodes, {**taken, **{s.key: "rolling" for s in old_slots.values()}}, new_slots,
+                 keep=grace_nodes, one_node=one_node)
+    if refusal:
+        result = surge = Plan([], spec.replicas, refusal, "ModelClaimUnusable")
     if result.unplaced:
         ps.event("Warning", result.reason_code, result.reason, once=(-1, result.reason_code))
     _roll(ps, spec, alive, current, old, result, surge)
@@ -197,6 +201,25 @@ def _reconcile(ns: str, name: str, api: client.ApiClient) -> None:
     _apply_service(core, ns, b.build_service(cr, spec))
     _apply_ingress(net, ns, spec.name, b.build_ingress(cr, spec))
     _write_status(custom, ns, name, cr, spec, core, result, [failures[i] for i in sorted(failures)], ps.problems)
+
+
+def _model_claim(ps: _Pass, spec) -> tuple[bool, str | None]:
+    """(replicas on one node, refusal) from a pvc:// model's claim: its access modes decide
+    whether replicas may spread over nodes (builders.claim_rule)."""
+    claim = b.model_claim(spec)
+    if claim is None:
+        return False, None
+    try:
+        modes = ps.core.read_namespaced_persistent_volume_claim(claim, ps.ns).spec.access_modes or []
+    except ApiException as e:
+        if e.status != 404:
+            raise
+        modes = None
+    one_node, why = b.claim_rule(modes, spec.replicas)
+    if one_node and spec.replicas > 1:
+        ps.event("Normal", "ReadWriteOnceModel", f"claim {claim} is ReadWriteOnce: all {spec.replicas} replicas run "
+                 "on one node (a ReadOnlyMany or ReadWriteMany claim lets them spread)", once=(-1, "RWO"))
+    return one_node, f"model claim {claim} {why}" if why else None
 
 
 def _roll(ps: _Pass, spec, alive, current, old, result, surge) -> None:

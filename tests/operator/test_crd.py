@@ -63,6 +63,13 @@ def test_unknown_packaged_model_refused(cluster):
     assert r.returncode != 0 and "packages one model: packaged://smollm2" in r.stderr, r.stderr
 
 
+def test_model_path_only_for_images(cluster):
+    r = cluster.kubectl("apply", "-f", "-", check=False, input=json.dumps({
+        "apiVersion": "cpuserve.dev/v1alpha1", "kind": "CPUModelServer", "metadata": {"name": "crd-path"},
+        "spec": {"model": {"source": "pvc://c/m", "path": "x"}}}))
+    assert r.returncode != 0 and "model.path is for image:// sources" in r.stderr, r.stderr
+
+
 def test_bad_model_source_refused(cluster):
     r = cluster.kubectl("apply", "-f", "-", check=False, input=json.dumps({
         "apiVersion": "cpuserve.dev/v1alpha1", "kind": "CPUModelServer", "metadata": {"name": "crd-src"},

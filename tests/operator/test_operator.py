@@ -181,7 +181,8 @@ def test_generated_objects_pass_server_side_validation(cluster):
                  "seccompProfile": {"type": "Localhost", "localhostProfile": "cpuserve/numa.json"},
                  "ingress": {"enabled": True, "host": "x.example.com", "tls": True, "className": "nginx"}},
                 {"model": {"source": "packaged://smollm2"}, "placement": {"strategy": "TensorParallel",
-                                                                         "tensorParallelSize": 2}}):
+                                                                         "tensorParallelSize": 2}},
+                {"model": {"source": "image://registry.example/models/smollm2:q4", "path": "model.gguf"}}):
         spec = parse_spec("dry", raw)
         (pl,) = plan(spec, [machine("n")]).placements
         for obj in (b.build_pod(cr, spec, pl), b.build_service(cr, spec), b.build_ingress(cr, spec)):
@@ -297,3 +298,38 @@ def test_pod_security_level_engine_pods_need(cluster, seccomp, admitted):
                           spec, pl)
         r = cluster.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(pod), check=False)
         assert (r.returncode == 0) == (level in admitted), f"{level}: {r.stderr}"
+
+
+def test_model_claim_access_modes_decide_where_replicas_go(cluster, operator):
+    """pvc:// models: a missing claim is refused with a condition; a ReadWriteOnce claim keeps
+    the replicas on one node (a node can mount it, another cannot); ReadOnlyMany spreads them."""
+    for n in ("claim-a", "claim-b"):
+        add_node(cluster, n, numa=4)
+        cluster.kubectl("label", "node", n, "pool=claim", "--overwrite")
+
+    def server(name, claim):
+        cluster.kubectl("apply", "-f", "-", input=json.dumps({
+            "apiVersion": "cpuserve.dev/v1alpha1", "kind": "CPUModelServer", "metadata": {"name": name, "namespace": NS},
+            "spec": {"model": {"source": f"pvc://{claim}/llama", "sizeGiB": 1}, "engine": {"kvCacheGiB": 1},
+                     "replicas": 2, "placement": {"nodeSelector": {"pool": "claim"}}}}))
+
+    def claim(name, mode):
+        cluster.kubectl("apply", "-f", "-", input=json.dumps({
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name, "namespace": NS},
+            "spec": {"accessModes": [mode], "resources": {"requests": {"storage": "10Gi"}}}}))
+
+    server("rwo", "weights-rwo")
+    cond = wait_for(lambda: condition(cms(cluster, "rwo"), "Ready").get("reason") == "ModelClaimUnusable"
+                    and condition(cms(cluster, "rwo"), "Ready"), 30, "missing claim refused")
+    assert "model claim weights-rwo not found" in cond["message"] and not pods(cluster, "rwo")
+    claim("weights-rwo", "ReadWriteOnce")
+    got = wait_for(lambda: len(pods(cluster, "rwo")) == 2 and pods(cluster, "rwo"), 30, "2 pods")
+    assert len({p["spec"]["nodeName"] for p in got}) == 1  # one node: the claim mounts there only
+    assert any(e["reason"] == "ReadWriteOnceModel" for e in cluster.get(
+        "events", "-n", NS, "--field-selector", "involvedObject.name=rwo")["items"])
+    claim("weights-rox", "ReadOnlyMany")
+    server("rox", "weights-rox")
+    got = wait_for(lambda: len(pods(cluster, "rox")) == 2 and pods(cluster, "rox"), 30, "2 pods")
+    assert len({p["spec"]["nodeName"] for p in got}) == 2  # spread over machines
+    for name in ("rwo", "rox"):
+        cluster.kubectl("delete", "cms", name, "-n", NS, "--wait=false")

@@ -274,3 +274,33 @@ def test_node_resource_topology_gives_counts_not_cpu_ids():
     kubelet = plan(spec(replicas=2), [n])
     assert [p.slot.numa for p in kubelet.placements] == [(0,), (1,)] and all(not p.rank_cpus
                                                                             for p in kubelet.placements)
+
+
+@pytest.mark.parametrize("modes,replicas,one_node,refused", [
+    (["ReadOnlyMany"], 4, False, None), (["ReadWriteMany", "ReadWriteOnce"], 4, False, None),
+    (["ReadWriteOnce"], 4, True, None), (["ReadWriteOncePod"], 1, False, None),
+    (["ReadWriteOncePod"], 2, False, "ReadWriteOncePod"), (None, 1, False, "not found")])
+def test_model_claim_access_modes(modes, replicas, one_node, refused):
+    got_one, why = b.claim_rule(modes, replicas)
+    assert got_one == one_node and (why is None if refused is None else refused in why)
+
+
+def test_read_write_once_claim_keeps_replicas_on_one_node():
+    s = spec(replicas=3, model={"source": "pvc://weights/m"})
+    spread = plan(s, [machine("a"), machine("b")])
+    assert {p.slot.node for p in spread.placements} == {"a", "b"}
+    one = plan(s, [machine("a"), machine("b", numa=4)], one_node=True)  # the machine with room for most
+    assert {p.slot.node for p in one.placements} == {"b"} and len(one.placements) == 3
+    stay = plan(s, [machine("a"), machine("b", numa=4)], current={0: Slot("a", (1,))}, one_node=True)
+    assert {p.slot.node for p in stay.placements} == {"a"} and stay.unplaced == 1  # where replica 0 runs
+
+
+def test_image_volume_model():
+    s = spec(model={"source": "image://registry.example/models/llama:8b-q4", "path": "gguf/model.gguf"})
+    (pl,) = plan(s, [machine("a")]).placements
+    pod = b.build_pod(CR, s, pl)
+    vol = next(v for v in pod["spec"]["volumes"] if v["name"] == "model")
+    assert vol["image"] == {"reference": "registry.example/models/llama:8b-q4", "pullPolicy": "IfNotPresent"}
+    c = pod["spec"]["containers"][0]
+    assert c["args"][1] == "/models/image/gguf/model.gguf"
+    assert {"name": "model", "mountPath": "/models/image", "readOnly": True} in c["volumeMounts"]

@@ -153,6 +153,8 @@ def build_pod(cr: dict, spec: ServerSpec, p: Placement, node_lost_grace_s: float
                 "args": engine_args(spec),
                 "env": engine_env(spec, p),
                 "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
+                # a failed start's last log lines become its termination message, read into status
+                "terminationMessagePolicy": "FallbackToLogsOnError",
                 "resources": {"requests": dict(resources), "limits": dict(resources)},  # Guaranteed QoS
                 "securityContext": container_security(spec),
                 "startupProbe": _probe("http", periodSeconds=5, failureThreshold=120, timeoutSeconds=3),

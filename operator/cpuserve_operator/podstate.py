@@ -10,6 +10,9 @@ import datetime as dt
 from dataclasses import dataclass
 
 # waiting reasons that mean "not progressing" (ContainerCreating and PodInitializing are progress)
+# the engine's word for a model that cannot fit the container's memory limit (kv_cache.TOO_LARGE):
+# it reaches the pod's status through terminationMessagePolicy FallbackToLogsOnError
+TOO_LARGE = "ModelTooLarge"
 STUCK_WAITING = ("ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull", "CrashLoopBackOff",
                  "CreateContainerConfigError", "CreateContainerError", "RunContainerError", "PreCreateHookError")
 
@@ -39,6 +42,10 @@ def pod_problem(pod: dict) -> Problem | None:
     for c in st.get("containerStatuses") or []:
         state, last = c.get("state") or {}, c.get("lastState") or {}
         waiting, term = state.get("waiting"), state.get("terminated")
+        ended = term or last.get("terminated") or {}
+        if TOO_LARGE in (ended.get("message") or ""):  # the engine refused before an OOM kill
+            text = ended["message"][ended["message"].index(TOO_LARGE) + len(TOO_LARGE):].lstrip(": ").splitlines()[0]
+            return Problem(TOO_LARGE, text[:600])
         if waiting and waiting.get("reason") in STUCK_WAITING:
             msg = (waiting.get("message") or "").strip()
             if last.get("terminated"):  # a crash loop: why the last run ended is what the user needs

@@ -67,3 +67,15 @@ def test_node_lost_for():
     assert node_lost_for(None, 0) == float("inf")
     assert node_lost_for({"status": {}}, 1e9) == 0  # no condition yet (a node registering)
     assert node_lost_for(node("False", "2026-01-01T00:00:00+00:00"), t0.timestamp() + 7) == 7  # the client's form
+
+
+def test_model_too_large_for_its_limit_is_named_as_such():
+    """The engine refuses a model its memory limit cannot hold (not an OOM kill); its last log
+    line, the termination message, becomes the reason."""
+    msg = ("Traceback ...\nRuntimeError: engine core failed to start: MemoryError: ModelTooLarge: the weights "
+           "(6.00 GiB as bfloat16) and the KV cache (4.00 GiB), on top of the 0.30 GiB in use, need 10.30 GiB, "
+           "more than this container's memory limit of 6.00 GiB. Raise the limit ...")
+    p = pod_problem(pod(containers=[engine({"waiting": {"reason": "CrashLoopBackOff"}},
+                                           {"terminated": {"reason": "Error", "exitCode": 1, "message": msg}})]))
+    assert p.reason == "ModelTooLarge" and p.message.startswith("the weights (6.00 GiB as bfloat16)")
+    assert "memory limit of 6.00 GiB" in p.message and not p.fatal

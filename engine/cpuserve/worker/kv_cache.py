@@ -49,6 +49,63 @@ def check_fits_node(rank: int, binding, weight_bytes: int, kv_bytes: int) -> Non
             "use a smaller dtype, or raise --tensor-parallel-size")
 
 
+UNLIMITED = 1 << 60
+TOO_LARGE = "ModelTooLarge"  # how the operator recognizes this refusal in a container's last words
+
+
+def _own_memory_files(root: str) -> list[tuple[object, object]]:
+    """(limit file, memory.stat) of this process's own memory cgroup (v2 or v1, through
+    /proc/self/cgroup), then of the cgroup mount's root (a container sees its own there)."""
+    from pathlib import Path
+
+    base = Path(root) / "sys/fs/cgroup"
+    out = []
+    try:
+        for line in (Path(root) / "proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":
+                d = base / path.lstrip("/")
+                out.append((d / "memory.max", d / "memory.stat"))
+            elif "memory" in controllers.split(","):
+                d = base / "memory" / path.lstrip("/")
+                out.append((d / "memory.limit_in_bytes", d / "memory.stat"))
+    except (OSError, ValueError):
+        pass
+    return out + [(base / "memory.max", base / "memory.stat"),
+                  (base / "memory/memory.limit_in_bytes", base / "memory/memory.stat")]
+
+
+def memory_budget(root: str = "/") -> tuple[int | None, int]:
+    """(this process's cgroup memory limit in bytes or None when unlimited, the cgroup's anonymous
+    memory now)."""
+    for limit_f, usage_f in _own_memory_files(root):
+        try:
+            raw = limit_f.read_text().strip()
+        except OSError:
+            continue
+        try:  # anonymous memory only: page cache (libraries, model files) is reclaimed before an OOM kill
+            stat = dict(ln.split() for ln in usage_f.read_text().splitlines() if len(ln.split()) == 2)
+            used = int(stat.get("anon", stat.get("total_rss", stat.get("rss", 0))))
+        except (OSError, ValueError):
+            used = 0
+        return (int(raw) if raw.isdigit() and int(raw) < UNLIMITED else None), used
+    return None, 0
+
+
+def memory_limit(root: str = "/") -> int | None:
+    return memory_budget(root)[0]
+
+
+def check_fits_container(what: str, need: int, limit: int | None) -> None:
+    """Refuses, before the kernel OOM-kills the engine, what cannot fit the container's memory
+    limit: `need` bytes of `what` (model files before loading, weights + KV cache after)."""
+    if limit is not None and need > limit:
+        raise MemoryError(
+            f"{TOO_LARGE}: {what} need {need / GiB:.2f} GiB, more than this container's memory limit of "
+            f"{limit / GiB:.2f} GiB. Raise the limit (a CPUModelServer's is spec.model.sizeGiB + engine.kvCacheGiB "
+            "+ engine.overheadGiB: declare the model's real size in sizeGiB), or lower VLLM_CPU_KVCACHE_SPACE")
+
+
 def allocate(layers, blocks: int, block_size: int, kv_dtype: torch.dtype) -> torch.Tensor:
     """One tensor for every layer's keys and values, bound to the layers as views.
     Pages are touched as blocks fill, so memory is committed as it is used."""

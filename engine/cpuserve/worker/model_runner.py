@@ -59,6 +59,31 @@ def tensor_bytes(root) -> int:
     return total
 
 
+def weights_in_memory(model_dir: Path, dtype: torch.dtype) -> int:
+    """The weights' bytes once loaded as `dtype`, from the safetensors headers (element counts)
+    without reading the tensors; other formats count their files' size."""
+    import json
+    import struct
+
+    p = Path(model_dir)
+    files = [p] if p.is_file() else [f for f in p.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf", ".pt")]
+    size = torch.tensor([], dtype=dtype).element_size()
+    total = 0
+    for f in files:
+        if f.suffix != ".safetensors":
+            total += f.stat().st_size
+            continue
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+        for name, t in header.items():
+            if name != "__metadata__":
+                n = 1
+                for d in t["shape"]:
+                    n *= d
+                total += n * size
+    return total
+
+
 class ModelRunner:
     """One rank's model and KV cache. Rank 0 (the only rank without tensor
     parallelism) also binds itself and starts and drives the other ranks."""
@@ -98,9 +123,19 @@ class ModelRunner:
         return tp, report
 
     def _load(self, cls) -> None:
-        """Weights, then the KV cache; rank 0 then waits for the other ranks to be ready."""
+        """Weights, then the KV cache; rank 0 then waits for the other ranks to be ready. What
+        cannot fit the container's memory limit is refused before it is read or allocated."""
+        limit, used = kv_cache.memory_budget()
+        if self.tp.size == 1:  # (tensor parallel ranks hold a share each: checked against NUMA nodes)
+            weights = weights_in_memory(self.model_dir, self.dtype)
+            kv = int(self.config.kv_cache_space * kv_cache.GiB)
+            kv_cache.check_fits_container(
+                f"the weights ({weights / kv_cache.GiB:.2f} GiB as {str(self.dtype).replace('torch.', '')}) and the "
+                f"KV cache ({kv / kv_cache.GiB:.2f} GiB), on top of the {used / kv_cache.GiB:.2f} GiB in use,",
+                used + weights + kv, limit)
         self.model = cls(self.hf_config, Weights(load_state_dict(self.model_dir)), self.dtype, self.tp)
         self.weight_bytes = tensor_bytes(self.model)  # before the KV cache is bound to the layers
+        self.memory_limit = limit
         self.num_blocks, self.kv_cache = self._allocate_kv_cache()
         if self.ranks is not None:
             self.rank_info = self.ranks.wait_ready()
@@ -111,6 +146,11 @@ class ModelRunner:
         own = kv_cache.block_bytes(layers, self.kv_dtype, self.block_size)
         blocks = kv_cache.num_blocks(self.config, kv_cache.largest_block_bytes(own, self.tp))
         kv_cache.check_fits_node(self.tp.rank, self.binding, self.weight_bytes, blocks * own)
+        if self.tp.size == 1 and self.memory_limit is not None:
+            _, used = kv_cache.memory_budget()
+            kv_cache.check_fits_container(f"the KV cache ({blocks * own / kv_cache.GiB:.2f} GiB), on top of the "
+                                          f"{used / kv_cache.GiB:.2f} GiB in use,", used + blocks * own,
+                                          self.memory_limit)
         return blocks, kv_cache.allocate(layers, blocks, self.block_size, self.kv_dtype)
 
     def _abort_ranks(self, e: BaseException) -> None:

@@ -39,6 +39,8 @@ def engine_args(spec: ServerSpec) -> list[str]:
         args.append(f"{MODEL_MOUNT}/{claim}/{path}".rstrip("/"))
     elif source.startswith("image://"):  # an OCI image (or artifact) of the model, mounted read-only
         args.append(f"{MODEL_MOUNT}/image/{spec.model_path}".rstrip("/"))
+    elif fetched(spec):  # downloaded and verified by the init container
+        args.append(fetched(spec))
     # packaged://...: the image's default model, no argument
     args += ["--host", "0.0.0.0", "--port", str(spec.port), "--served-model-name", spec.served_name,
              "--dtype", spec.dtype, "--max-num-seqs", str(spec.max_num_seqs),
@@ -84,6 +86,27 @@ def tolerations(node_lost_grace_s: float) -> list[dict]:
              "tolerationSeconds": int(node_lost_grace_s)} for t in ("not-ready", "unreachable")]
 
 
+def fetched(spec: ServerSpec) -> str | None:
+    """Where an http(s):// or s3:// model lands in the pod (its file name under the fetch volume)."""
+    if not spec.model_source.startswith(("http://", "https://", "s3://")):
+        return None
+    name = spec.model_source.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1] or "model"
+    return f"{MODEL_MOUNT}/fetched/{name}"
+
+
+def fetch_container(spec: ServerSpec, resources: dict) -> dict:
+    """The init container that downloads the model into the pod's model volume and verifies
+    its SHA-256 (`cpuserve fetch`): the engine starts only on a verified file."""
+    return {"name": "fetch-model", "image": spec.image, "imagePullPolicy": spec.pull_policy,
+            "command": ["cpuserve", "fetch", spec.model_source, "--sha256", spec.model_sha256, "--dest", fetched(spec)],
+            "resources": {"requests": dict(resources), "limits": dict(resources)},
+            "securityContext": {"capabilities": {"drop": ["ALL"]}, "allowPrivilegeEscalation": False,
+                                "readOnlyRootFilesystem": True, "runAsNonRoot": True},
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+            "volumeMounts": [{"name": "model", "mountPath": f"{MODEL_MOUNT}/fetched"},
+                             {"name": "tmp", "mountPath": "/tmp"}]}
+
+
 def model_claim(spec: ServerSpec) -> str | None:
     return spec.model_source[len("pvc://"):].partition("/")[0] if spec.model_source.startswith("pvc://") else None
 
@@ -120,6 +143,9 @@ def build_pod(cr: dict, spec: ServerSpec, p: Placement, node_lost_grace_s: float
         volumes.append({"name": "model", "image": {"reference": spec.model_source[len("image://"):],
                                                    "pullPolicy": spec.pull_policy}})
         mounts.append({"name": "model", "mountPath": f"{MODEL_MOUNT}/image", "readOnly": True})
+    elif fetched(spec):  # the init container's download: kept across container restarts, not pod replacements
+        volumes.append({"name": "model", "emptyDir": {"sizeLimit": f"{int(spec.size_gib * 1.25 * 1024) + 64}Mi"}})
+        mounts.append({"name": "model", "mountPath": f"{MODEL_MOUNT}/fetched", "readOnly": True})
     annotations = {A_SLOT: p.slot.key}
     if p.rank_cpus:
         annotations[A_CPUS] = "|".join(",".join(map(str, c)) for c in p.rank_cpus)
@@ -145,6 +171,7 @@ def build_pod(cr: dict, spec: ServerSpec, p: Placement, node_lost_grace_s: float
             "securityContext": {"seccompProfile": seccomp, "runAsNonRoot": True, "runAsUser": 1000,
                                 "runAsGroup": 1000, "fsGroup": 1000},
             **({"imagePullSecrets": [{"name": s} for s in spec.pull_secrets]} if spec.pull_secrets else {}),
+            **({"initContainers": [fetch_container(spec, resources)]} if fetched(spec) else {}),
             "containers": [{
                 "name": "engine",
                 "image": spec.image,

@@ -87,6 +87,7 @@ class ServerSpec:
     port: int
     ingress: dict
     model_path: str = ""           # image://: the model's directory or file inside the image
+    model_sha256: str = ""         # http(s)://, s3://: the file's checksum, verified when fetched
 
     @property
     def ranks(self) -> int:
@@ -94,7 +95,7 @@ class ServerSpec:
 
     def hash(self) -> str:
         """What the pods are built from (not replicas, service or ingress): a change rolls the pods."""
-        keys = ("model_source", "model_path", "served_name", "size_gib", "dtype", "kv_cache_gib", "overhead_gib", "max_num_seqs",
+        keys = ("model_source", "model_path", "model_sha256", "served_name", "size_gib", "dtype", "kv_cache_gib", "overhead_gib", "max_num_seqs",
                 "max_model_len", "extra_args", "strategy", "tp", "reserved_cpus", "pinning", "required_isa",
                 "node_selector", "seccomp_type", "seccomp_localhost", "image", "pull_secrets", "pull_policy", "port")
         blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True, default=list)
@@ -132,7 +133,8 @@ def parse_spec(name: str, spec: dict, default_image: str = DEFAULT_ENGINE_IMAGE)
         replicas=int(spec.get("replicas", 1)),
         image=engine_image(img, default_image), pull_secrets=tuple(img.get("pullSecrets", [])),
         pull_policy=img.get("pullPolicy", "IfNotPresent"), service_type=svc.get("type", "ClusterIP"),
-        port=int(svc.get("port", 8000)), ingress=ing, model_path=str(m.get("path", "")).strip("/"))
+        port=int(svc.get("port", 8000)), ingress=ing, model_path=str(m.get("path", "")).strip("/"),
+        model_sha256=str(m.get("sha256", "")).lower())
 
 
 # -- node topology from the API ------------------------------------------------------------------

@@ -70,8 +70,22 @@ def test_model_path_only_for_images(cluster):
     assert r.returncode != 0 and "model.path is for image:// sources" in r.stderr, r.stderr
 
 
+def test_downloaded_models_need_a_checksum(cluster):
+    def apply_model(model):
+        return cluster.kubectl("apply", "-f", "-", check=False, input=json.dumps({
+            "apiVersion": "cpuserve.dev/v1alpha1", "kind": "CPUModelServer", "metadata": {"name": "crd-sha"},
+            "spec": {"model": model}}))
+    r = apply_model({"source": "https://models.example.com/m.gguf"})
+    assert r.returncode != 0 and "need model.sha256" in r.stderr, r.stderr
+    r = apply_model({"source": "pvc://c/m", "sha256": "ab" * 32})
+    assert r.returncode != 0 and "model.sha256 is for http(s)://" in r.stderr, r.stderr
+    r = apply_model({"source": "s3://bucket/m.gguf", "sha256": "ab" * 32})
+    assert r.returncode == 0, r.stderr
+    cluster.kubectl("delete", "cms", "crd-sha")
+
+
 def test_bad_model_source_refused(cluster):
     r = cluster.kubectl("apply", "-f", "-", check=False, input=json.dumps({
         "apiVersion": "cpuserve.dev/v1alpha1", "kind": "CPUModelServer", "metadata": {"name": "crd-src"},
-        "spec": {"model": {"source": "s3://bucket/model"}}}))
+        "spec": {"model": {"source": "ftp://host/model"}}}))
     assert r.returncode != 0 and "spec.model.source" in r.stderr

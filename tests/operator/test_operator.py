@@ -182,7 +182,8 @@ def test_generated_objects_pass_server_side_validation(cluster):
                  "ingress": {"enabled": True, "host": "x.example.com", "tls": True, "className": "nginx"}},
                 {"model": {"source": "packaged://smollm2"}, "placement": {"strategy": "TensorParallel",
                                                                          "tensorParallelSize": 2}},
-                {"model": {"source": "image://registry.example/models/smollm2:q4", "path": "model.gguf"}}):
+                {"model": {"source": "image://registry.example/models/smollm2:q4", "path": "model.gguf"}},
+                {"model": {"source": "https://models.example.com/m.gguf", "sha256": "ab" * 32}}):
         spec = parse_spec("dry", raw)
         (pl,) = plan(spec, [machine("n")]).placements
         for obj in (b.build_pod(cr, spec, pl), b.build_service(cr, spec), b.build_ingress(cr, spec)):

@@ -304,3 +304,19 @@ def test_image_volume_model():
     c = pod["spec"]["containers"][0]
     assert c["args"][1] == "/models/image/gguf/model.gguf"
     assert {"name": "model", "mountPath": "/models/image", "readOnly": True} in c["volumeMounts"]
+
+
+def test_http_model_fetched_and_verified_by_an_init_container():
+    digest = "ab" * 32
+    s = spec(model={"source": "https://models.example.com/llama/8b-q4.gguf?sig=x", "sha256": digest, "sizeGiB": 4})
+    (pl,) = plan(s, [machine("a")]).placements
+    pod = b.build_pod(CR, s, pl)
+    (init,) = pod["spec"]["initContainers"]
+    assert init["command"] == ["cpuserve", "fetch", "https://models.example.com/llama/8b-q4.gguf?sig=x", "--sha256",
+                               digest, "--dest", "/models/fetched/8b-q4.gguf"]
+    assert init["resources"] == pod["spec"]["containers"][0]["resources"]  # the pod stays Guaranteed
+    assert pod["spec"]["containers"][0]["args"][1] == "/models/fetched/8b-q4.gguf"
+    vol = next(v for v in pod["spec"]["volumes"] if v["name"] == "model")
+    assert vol["emptyDir"]["sizeLimit"] == f"{int(4 * 1.25 * 1024) + 64}Mi"
+    assert spec(model={"source": "s3://b/k.gguf", "sha256": digest}).hash() != \
+        spec(model={"source": "s3://b/k.gguf", "sha256": "cd" * 32}).hash()  # a new checksum rolls the pods

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
 
 SERVE_BATCHED_TOKENS = 512
 
@@ -176,6 +177,13 @@ def format_topology(topo, membind: bool, why: str) -> str:
     return "\n".join(lines)
 
 
+def cmd_fetch(a: argparse.Namespace) -> int:
+    from cpuserve.loading.fetch import fetch
+
+    fetch(a.source, a.sha256, Path(a.dest))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cpuserve", description="LLM serving on CPUs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -211,11 +219,16 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="plan the binding for this many ranks")
     t.add_argument("--root", default=None, help=argparse.SUPPRESS)  # a recorded /sys + /proc tree (tests)
     t.set_defaults(func=cmd_topology)
+    f = sub.add_parser("fetch", help="download a model file (http(s):// or s3://) and verify its SHA-256")
+    f.add_argument("source")
+    f.add_argument("--sha256", required=True, help="the file's SHA-256 (hex): nothing unverified is kept")
+    f.add_argument("--dest", required=True, help="where the verified file goes")
+    f.set_defaults(func=cmd_fetch)
     a = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return a.func(a)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError) as e:
         print(f"cpuserve: error: {e}", file=sys.stderr)
         return 2
 

@@ -110,9 +110,12 @@ def test_server_becomes_ready_with_the_cpus_the_kubelet_gave_it(node):
     node.kubectl("apply", "-f", "-", input=json.dumps(CR))
     cms = wait_ready(node)
     assert cms["status"]["readyReplicas"] == 1
-    # the node agent records the kubelet's assignment; the operator copies it into the status
-    placement = wait_for(lambda: (p := server(node)["status"]["placements"][0]).get("cpus") and p, 60,
-                         "status.placements[0].cpus from the node agent")
+    # the node agent asks the engine where it bound itself (GET /topology, over the pod network)
+    # and records it; the operator copies it into the status
+    placement = wait_for(lambda: (p := server(node)["status"]["placements"][0]).get("reportedBy") == "engine"
+                         and p, 60, "status.placements[0] from the engine's /topology")
+    kubelet = json.loads(node.get("node", NODE_NAME)["metadata"]["annotations"]["cpuserve.dev/kubelet"])
+    assert kubelet["cpuManagerPolicy"] == "static" and kubelet["memoryManagerPolicy"] == "Static", kubelet
     pod = the_pod(node)
     assert placement["pod"] == pod["metadata"]["name"] and placement["node"] == NODE_NAME
     cg = container_cgroup(pod)
@@ -123,6 +126,10 @@ def test_server_becomes_ready_with_the_cpus_the_kubelet_gave_it(node):
     # the memory node: the placed NUMA node, as the kubelet's memory manager set it
     mems = cpulist((cg / "cpuset.mems").read_text())
     assert mems == set(placement["numaNodes"]) == set(placement["memoryNodes"]), (mems, placement)
+    # under the Localhost profile the engine holds no capability at all (Pod Security: restricted)
+    for pid in (cg / "tasks").read_text().split()[:1]:
+        caps = next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("CapEff"))
+        assert int(caps.split()[1], 16) == 0, caps
 
 
 def test_no_other_container_on_the_node_shares_those_cpus(node):

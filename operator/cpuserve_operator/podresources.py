@@ -96,18 +96,24 @@ def _memory(buf: bytes) -> tuple[str, list[int]]:
     return kind, sorted(nodes)
 
 
-def _container(buf: bytes) -> ContainerResources:
-    c = ContainerResources()
+def _fill(into, buf: bytes, cpu_field: int, memory_field: int, name_field: int | None = None):
+    """A message's CPU ids and NUMA memory (and name) into `into`: ContainerResources and
+    AllocatableResourcesResponse carry the same things under different field numbers."""
     for num, wt, v in fields(buf):
-        if num == 1:
-            c.name = v.decode()
-        elif num == 3:
-            c.cpu_ids += _int64s(wt, v)
-        elif num == 4:
+        if num == name_field:
+            into.name = v.decode()
+        elif num == cpu_field:
+            into.cpu_ids += _int64s(wt, v)
+        elif num == memory_field:
             kind, nodes = _memory(v)
-            c.memory_numa[kind] = sorted(set(c.memory_numa.get(kind, []) + nodes))
-    c.cpu_ids.sort()
-    return c
+            into.memory_numa[kind] = sorted(set(into.memory_numa.get(kind, []) + nodes))
+    into.cpu_ids.sort()
+    return into
+
+
+def _container(buf: bytes) -> ContainerResources:
+    """ContainerResources { name = 1; devices = 2; repeated int64 cpu_ids = 3; repeated ContainerMemory memory = 4 }."""
+    return _fill(ContainerResources(), buf, cpu_field=3, memory_field=4, name_field=1)
 
 
 def decode_list(buf: bytes) -> list[PodResources]:
@@ -130,15 +136,7 @@ def decode_list(buf: bytes) -> list[PodResources]:
 
 def decode_allocatable(buf: bytes) -> Allocatable:
     """AllocatableResourcesResponse { devices = 1; repeated int64 cpu_ids = 2; repeated ContainerMemory memory = 3 }."""
-    a = Allocatable()
-    for num, wt, v in fields(buf):
-        if num == 2:
-            a.cpu_ids += _int64s(wt, v)
-        elif num == 3:
-            kind, nodes = _memory(v)
-            a.memory_numa[kind] = sorted(set(a.memory_numa.get(kind, []) + nodes))
-    a.cpu_ids.sort()
-    return a
+    return _fill(Allocatable(), buf, cpu_field=2, memory_field=3)
 
 
 def allocatable_resources(socket: str = SOCKET, timeout: float = 10) -> Allocatable:

@@ -113,3 +113,20 @@ def test_a_not_ready_blip_kills_nothing_a_lost_node_is_replaced(cluster, operato
     cluster.kubectl("delete", "cms", "blip", "-n", NS, "--wait=false")
     node_ready(cluster, "blip-a", "True")
     wait_for(lambda: not kubelet(cluster, ready=False, name="blip") and not pods(cluster, "blip"), 180, "cleanup")
+
+
+def test_a_namespaced_operator_leaves_other_namespaces_alone(cluster, operator):
+    """The operator watches `default` only: node events (which list servers cluster-wide to find
+    the ones a node concerns) must not reconcile a server in another namespace."""
+    cluster.kubectl("create", "namespace", "elsewhere", check=False)
+    add_node(cluster, "ns-a")
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "cpuserve.dev/v1alpha1", "kind": "CPUModelServer",
+        "metadata": {"name": "theirs", "namespace": "elsewhere"},
+        "spec": {"model": {"source": "packaged://smollm2", "sizeGiB": 1}, "engine": {"kvCacheGiB": 1}}}))
+    for status in ("Unknown", "True", "False", "True"):  # node events, each a reason to look at servers
+        node_ready(cluster, "ns-a", status)
+        time.sleep(1)
+    assert not cluster.get("pods", "-n", "elsewhere")["items"]
+    assert "status" not in cluster.get("cms", "-n", "elsewhere", "theirs")
+    cluster.kubectl("delete", "cms", "theirs", "-n", "elsewhere", "--wait=false")

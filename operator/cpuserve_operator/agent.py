@@ -72,13 +72,37 @@ def kubelet_policies(alloc) -> dict:
             "exclusiveCPUs": format_cpulist(alloc.cpu_ids), "memoryNodes": mem}
 
 
-def report_kubelet(node_name: str, socket: str) -> bool:
+def topology_policy(paths: list[str]) -> dict:
+    """The kubelet's topology manager policy and scope from its configuration as the kubelet
+    reads it: a --config file, then a --config-dir's `*.conf` drop-ins in name order, later
+    keys winning ({} when none of `paths` can be read; the kubelet's defaults where it is
+    unset). The pod-resources API does not expose it."""
+    import yaml
+
+    merged, seen = {}, False
+    for p in paths:
+        files = sorted(f for f in os.listdir(p) if f.endswith(".conf")) if os.path.isdir(p) else [""]
+        for f in files:
+            try:
+                with open(os.path.join(p, f) if f else p) as fh:
+                    merged.update(yaml.safe_load(fh) or {})
+                seen = True
+            except OSError as e:
+                log.warning("kubelet configuration %s: %s", os.path.join(p, f), e)
+    if not seen:
+        return {}
+    return {"topologyManagerPolicy": merged.get("topologyManagerPolicy", "none"),
+            "topologyManagerScope": merged.get("topologyManagerScope", "container")}
+
+
+def report_kubelet(node_name: str, socket: str, config_paths: list[str] = ()) -> bool:
     """Publishes the kubelet's policies on the Node (cpuserve.dev/kubelet); True if they changed."""
     from kubernetes import client
 
     from cpuserve_operator.podresources import allocatable_resources
 
-    value = json.dumps(kubelet_policies(allocatable_resources(socket)), sort_keys=True)
+    policies = {**kubelet_policies(allocatable_resources(socket)), **topology_policy(list(config_paths))}
+    value = json.dumps(policies, sort_keys=True)
     core = client.CoreV1Api()
     if (core.read_node(node_name).metadata.annotations or {}).get(KUBELET_ANNOTATION) == value:
         return False
@@ -150,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="where the host's /sys and /proc are mounted (default /)")
     p.add_argument("--interval", type=float, default=300, help="seconds between refreshes")
     p.add_argument("--once", action="store_true", help="publish once and exit")
+    p.add_argument("--kubelet-config", action="append", default=[], metavar="PATH",
+                   help="with --report-assignments: the kubelet's --config file or --config-dir (repeatable), "
+                        "to publish its topology manager policy too")
     p.add_argument("--print", action="store_true", help="print labels and annotation, publish nothing")
     p.add_argument("--report-assignments", metavar="SOCKET", nargs="?", const="/var/lib/kubelet/pod-resources/kubelet.sock",
                    help="instead: publish the kubelet's CPU and memory manager policies on the Node, and record "
@@ -171,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         config.load_kube_config()
     while a.report_assignments:
         try:
-            report_kubelet(a.node_name, a.report_assignments)
+            report_kubelet(a.node_name, a.report_assignments, a.kubelet_config)
             n = report_assignments(a.node_name, a.report_assignments)
             if n:
                 log.info("recorded the kubelet's assignment on %d pod(s)", n)

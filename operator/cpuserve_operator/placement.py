@@ -52,6 +52,7 @@ class Node:
     known_topology: bool = True    # False: nothing published; seen as one NUMA node of its allocatable CPUs
     cpu_ids_known: bool = True     # False: counts only (NodeResourceTopology, nothing published)
     cpu_manager: str = ""          # the kubelet's CPU manager policy: static, none, or "" (not reported)
+    topology_policy: str = ""      # its topology manager policy (single-numa-node, restricted, ...), "" unknown
 
     @property
     def lists_possible(self) -> bool:
@@ -183,7 +184,8 @@ def node_from_api(node: dict, nrt: dict | None = None) -> Node:
         numa = [NumaNode(0, tuple(range(int(_quantity(alloc.get("cpu", "0"))))), int(_quantity(alloc.get("memory", "0"))))]
     return Node(meta["name"], arch, tuple(sorted(numa, key=lambda n: n.id)), frozenset(isa), labels, ready,
                 schedulable, known, cpu_ids_known=TOPOLOGY_ANNOTATION in ann,
-                cpu_manager=str(kubelet.get("cpuManagerPolicy", "")))
+                cpu_manager=str(kubelet.get("cpuManagerPolicy", "")),
+                topology_policy=str(kubelet.get("topologyManagerPolicy", "")))
 
 
 _SUFFIX = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10**3, "M": 10**6, "G": 10**9,
@@ -284,6 +286,9 @@ def eligible(node: Node, spec: ServerSpec) -> str | None:
     for k, v in spec.node_selector.items():
         if node.labels.get(k) != v:
             return f"label {k}!={v}"
+    if spec.ranks > 1 and node.cpu_manager == "static" and node.topology_policy == "single-numa-node":
+        return ("topologyManagerPolicy single-numa-node: the kubelet admits no pod over several NUMA nodes "
+                "(serve TensorParallel from nodes with policy restricted)")
     if spec.pinning == "Engine" and not node.lists_possible and node.cpu_manager != "static":
         return "CPU ids unknown (no cpuserve.dev/topology: pinning Engine needs CPU lists)"
     return None

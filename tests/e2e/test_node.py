@@ -31,16 +31,18 @@ CR = {
 }
 
 
-def helm_values() -> dict:
-    """The chart's defaults but for the images (imported into containerd, never pulled) and the
-    operator's and agent's CPU requests: a 2-CPU node has one CPU to give (reservedSystemCPUs: 0),
-    and it goes to the engine."""
+def helm_values(kubelet_config: Path) -> dict:
+    """The chart's defaults but for the images (imported into containerd, never pulled), the
+    operator's and agent's CPU requests (a 2-CPU node has one CPU to give, reservedSystemCPUs: 0,
+    and it goes to the engine), and where this node's kubelet configuration is."""
     images = {"repository": "localhost/cpuserve-operator", "tag": VERSION, "pullPolicy": "Never"}
     return {"engine": {"image": {"repository": "localhost/cpuserve-engine", "tag": VERSION}},
             "operator": {"image": images, "resources": {"requests": {"cpu": "0", "memory": "128Mi"},
                                                         "limits": {"memory": "256Mi"}}},
             "nodeAgent": {"image": images, "resources": {"requests": {"cpu": "0", "memory": "48Mi"},
-                                                         "limits": {"memory": "96Mi"}}}}
+                                                         "limits": {"memory": "96Mi"}},
+                          "kubeletConfig": [{"path": str(kubelet_config / "kubelet.yaml"), "type": "File"},
+                                            {"path": str(kubelet_config / "kubelet.conf.d"), "type": "Directory"}]}}
 
 
 def server(node) -> dict:
@@ -95,7 +97,7 @@ def topology_in_pod(node, pod: dict) -> dict:
 # -- the session -----------------------------------------------------------------------------------
 def test_helm_install_publishes_topology_and_the_seccomp_profile(node, tmp_path):
     values = tmp_path / "values.json"
-    values.write_text(json.dumps(helm_values()))
+    values.write_text(json.dumps(helm_values(node.dir)))
     r = run_helm(node, "install", "cpuserve", str(ROOT / "charts" / "cpuserve"), "-n", "cpuserve-system",
                  "--create-namespace", "-f", str(values), "--wait", "--timeout", "4m")
     assert "STATUS: deployed" in r.stdout
@@ -116,6 +118,7 @@ def test_server_becomes_ready_with_the_cpus_the_kubelet_gave_it(node):
                          and p, 60, "status.placements[0] from the engine's /topology")
     kubelet = json.loads(node.get("node", NODE_NAME)["metadata"]["annotations"]["cpuserve.dev/kubelet"])
     assert kubelet["cpuManagerPolicy"] == "static" and kubelet["memoryManagerPolicy"] == "Static", kubelet
+    assert kubelet["topologyManagerPolicy"] == "single-numa-node", kubelet  # from the chart's drop-in
     pod = the_pod(node)
     assert placement["pod"] == pod["metadata"]["name"] and placement["node"] == NODE_NAME
     cg = container_cgroup(pod)

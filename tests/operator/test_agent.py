@@ -112,3 +112,40 @@ def test_adjacent_sibling_numbering_is_read_not_assumed():
                             "placement": {"pinning": "Engine"}})
     (pl,) = plan(spec, [node]).placements
     assert pl.rank_cpus == (tuple(range(0, 14, 2)),) and pl.cpus == 16 - 2
+
+
+def test_topology_policy_from_the_kubelets_config_and_drop_ins(tmp_path):
+    """Read as the kubelet reads them: the --config file, then the --config-dir's *.conf in name
+    order, later keys winning; the kubelet's defaults where unset; nothing when unreadable."""
+    from cpuserve_operator.agent import topology_policy
+
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("kind: KubeletConfiguration\ntopologyManagerPolicy: best-effort\n")
+    d = tmp_path / "conf.d"
+    d.mkdir()
+    (d / "20-late.conf").write_text("topologyManagerScope: pod\n")
+    (d / "10-cpuserve.conf").write_text("topologyManagerPolicy: single-numa-node\ntopologyManagerScope: container\n")
+    (d / "ignored.yaml").write_text("topologyManagerPolicy: none\n")
+    assert topology_policy([str(cfg), str(d)]) == {"topologyManagerPolicy": "single-numa-node",
+                                                   "topologyManagerScope": "pod"}
+    cfg.write_text("kind: KubeletConfiguration\n")
+    assert topology_policy([str(cfg)]) == {"topologyManagerPolicy": "none", "topologyManagerScope": "container"}
+    assert topology_policy([str(tmp_path / "missing.yaml")]) == {}
+
+
+def test_tensor_parallel_skips_single_numa_node_kubelets():
+    """A TP pod spans NUMA nodes: a static kubelet with single-numa-node would reject it
+    (TopologyAffinityError), so the planner places it on a `restricted` node instead."""
+    from dataclasses import replace
+
+    from test_placement import machine
+
+    strict = replace(machine("strict", numa=4), cpu_manager="static", topology_policy="single-numa-node")
+    loose = replace(machine("loose", numa=4), cpu_manager="static", topology_policy="restricted")
+    tp = parse_spec("tp", {"model": {"source": "packaged://m"}, "engine": {"kvCacheGiB": 2},
+                           "placement": {"strategy": "TensorParallel", "tensorParallelSize": 2}, "replicas": 3})
+    p = plan(tp, [strict, loose])
+    assert [pl.slot.node for pl in p.placements] == ["loose", "loose"] and p.unplaced == 1
+    assert "single-numa-node" in p.reason
+    single = parse_spec("one", {"model": {"source": "packaged://m"}, "engine": {"kvCacheGiB": 2}, "replicas": 8})
+    assert len(plan(single, [strict, loose]).placements) == 8  # one NUMA node each: both fit

@@ -42,6 +42,18 @@ def test_chart_renders_and_validates(cluster):
             assert d["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
     op = next(d for d in custom if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
     assert {"name": "CPUSERVE_ENGINE_IMAGE", "value": "reg.example/cpuserve-engine:dev"} in op["env"]
+    with_config = helm("template", "cpuserve", str(CHART), "--namespace", "cpuserve-system", "--set-json",
+                       'nodeAgent.kubeletConfig=[{"path": "/var/lib/kubelet/config.yaml"}, '
+                       '{"path": "/etc/kubernetes/kubelet.conf.d", "type": "Directory"}]')
+    ds = next(d for d in yaml.safe_load_all(with_config) if d and d["kind"] == "DaemonSet")
+    agent = next(c for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == "assignments")
+    assert agent["args"][-2:] == ["--kubelet-config=/kubelet-config/0", "--kubelet-config=/kubelet-config/1"]
+    host = {v["name"]: v["hostPath"] for v in ds["spec"]["template"]["spec"]["volumes"] if "hostPath" in v}
+    assert host["kubelet-config-0"] == {"path": "/var/lib/kubelet/config.yaml", "type": "File"}
+    assert host["kubelet-config-1"]["type"] == "Directory"
+    cluster.kubectl("create", "namespace", "cpuserve-system", check=False)
+    r = cluster.kubectl("apply", "--dry-run=server", "--validate=strict", "-f", "-", input=with_config, check=False)
+    assert r.returncode == 0, r.stderr
     crd = next(d for d in docs if d["kind"] == "CustomResourceDefinition" and d["spec"]["group"] == "cpuserve.dev")
     assert crd == yaml.safe_load((ROOT / "crds" / "cpumodelserver.yaml").read_text())  # one source of truth
     cluster.kubectl("create", "namespace", "cpuserve-system", check=False)

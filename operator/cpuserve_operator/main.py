@@ -12,9 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
 
-def peering_identity() -> str:
-    """This replica's name among its peers: the pod's name (kopf's default, user@host, looks the
-    uid up in /etc/passwd, which fails for a uid the image does not list)."""
+def lease_identity() -> str:
+    """This replica's name as the Lease's holder: the pod's name (downward API POD_NAME), else
+    the hostname, which is the pod's name too."""
     return os.environ.get("POD_NAME") or socket.gethostname()
 
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             config.load_incluster_config()
         except config.ConfigException:
             config.load_kube_config()
-        me = peering_identity()
+        me = lease_identity()
         elector = Elector(a.lease_namespace, a.lease_name, me, a.lease_duration,
                           renew_deadline=a.lease_duration * 2 / 3, retry=max(0.5, a.lease_duration / 7.5))
         logging.getLogger("cpuserve_operator").info("%s standing by for Lease %s/%s", me, a.lease_namespace,

@@ -61,13 +61,18 @@ def pair(cluster):
     add_node(cluster, "ha-a")
     cluster.kubectl("label", "node", "ha-a", "pool=ha", "--overwrite")
     procs = [start(cluster, "op-a"), start(cluster, "op-b")]
-    yield procs
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    for p in procs:
-        print(f"--- {p.name}\n{p.log.read_text()[-3000:]}")
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for p in procs:
+            print(f"--- {p.name}\n{p.log.read_text()[-3000:]}")
+        # the session's other tests place onto every node they see: leave none of ours behind
+        cluster.kubectl("delete", "pods", "--all", "-n", NS, "--grace-period=0", "--force", check=False)
+        cluster.kubectl("delete", "node", "ha-a", check=False)
 
 
 def test_one_acts_the_other_takes_over(cluster, pair):

@@ -11,7 +11,7 @@ import cpuserve
 
 PKG = Path(cpuserve.__file__).parent
 # Lowest first. `config` and the native `_C` sit below every subpackage.
-LAYERS = ["config", "_C", "platform", "loading", "model_executor", "core", "worker", "engine", "entrypoints"]
+LAYERS = ["config", "_C", "platform", "loading", "structured", "model_executor", "core", "worker", "engine", "entrypoints"]
 FACADES = {"cpuserve", "cpuserve.__main__"}  # the public names and `python -m cpuserve`: above everything
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cpuserve.structured.spec import GrammarSpec
+
 
 SAMPLING_EPS = 1e-5
 # Size limits of one request, named in the 400 a larger one gets.
@@ -32,6 +34,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured: GrammarSpec | None = None  # the output constraint (structured output), if any
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -45,6 +45,7 @@ class Sequence:
         self.output_text_len = 0           # set by the detokenizer when stop strings truncate
         self.generator = None              # per-sequence torch.Generator when seeded
         self.first_scheduled: float | None = None
+        self.matcher = None                # the output constraint's parser state (structured output)
 
     def __len__(self) -> int:
         return len(self.token_ids)

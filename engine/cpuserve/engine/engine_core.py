@@ -40,6 +40,7 @@ class EngineCore:
         self.requests: dict[str, _Request] = {}
         self.stats = CoreStats()
         self._rng = random.Random(config.seed)
+        self._grammars = None  # GrammarCompiler, made at the first constrained request
 
     # -- requests -------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -59,12 +60,20 @@ class EngineCore:
         req = _Request()
         for i in range(params.n):
             seq = Sequence(prompt_token_ids, params, request_id, i, now)
+            if params.structured is not None:
+                seq.matcher = self._compiler().matcher(params.structured)
             if not params.greedy:
                 seed = params.seed * 1_000_003 + i if params.seed is not None else self._rng.getrandbits(63)
                 seq.generator = torch.Generator().manual_seed(seed)
             req.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = req
+
+    def _compiler(self):
+        if self._grammars is None:
+            from cpuserve.structured.grammar import GrammarCompiler
+            self._grammars = GrammarCompiler(self.runner.model_dir, self.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -124,6 +133,8 @@ class EngineCore:
             reason = FinishReason.STOP
         elif may_stop and tok in p.stop_token_ids:
             reason, stop_reason = FinishReason.STOP, tok
+        elif seq.matcher is not None and self._grammar_done(seq, tok, self.eos_token_ids):
+            reason = FinishReason.STOP
         elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
             reason = FinishReason.LENGTH
         elif len(seq) >= self.max_model_len:
@@ -132,6 +143,13 @@ class EngineCore:
             return None, None
         self.scheduler.finish(seq, reason, stop_reason)
         return reason.value, stop_reason
+
+    @staticmethod
+    def _grammar_done(seq: Sequence, tok: int, eos: set[int]) -> bool:
+        """Advances the sequence's parser. A complete constraint allows only EOS next, so the
+        sequence ends on that EOS (ignore_eos cannot outlast its grammar), and the text holds
+        every token of the document; a broken parse (the mask makes it impossible) ends it too."""
+        return not seq.matcher.consume_token(tok) or (tok in eos and seq.matcher.is_stopped())
 
     def _forget_if_done(self, request_id: str) -> None:
         req = self.requests.get(request_id)

@@ -2,14 +2,18 @@
 
 Order of operations (as vLLM): logit bias, min_tokens (EOS and stop ids masked),
 repetition / presence / frequency penalties, then greedy argmax, or temperature,
-top-k, top-p, min-p and a draw from the sequence's own generator. Logprobs are
-those of the raw model distribution (vLLM's default), with the top-N listed.
+top-k, top-p, min-p and a draw from the sequence's own generator. A sequence with
+an output constraint has every token its grammar does not allow masked out last
+(when a request's own settings leave no allowed token, the grammar wins: min_tokens
+cannot keep a finished JSON document open). Logprobs are those of the raw model
+distribution (vLLM's default), with the top-N listed.
 """
 from __future__ import annotations
 
 import torch
 
 from cpuserve.core.sequence import Sequence
+from cpuserve.structured import grammar
 
 
 def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> None:
@@ -56,6 +60,7 @@ def _filtered_probs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor | None:
 class Sampler:
     def __init__(self, eos_token_ids: set[int]):
         self.eos_token_ids = eos_token_ids
+        self._masks: grammar.Masks | None = None  # made at the first constrained batch
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict | None]]:
         """logits [R, V] float32 for the R sampling sequences -> (token ids, logprobs dicts)."""
@@ -63,12 +68,16 @@ class Sampler:
         if any(s.params.logprobs is not None for s in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         needs_processing = [self._processes(s) for s in seqs]
-        if any(needs_processing):
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        raw = logits
+        if any(needs_processing) or constrained:
             logits = logits.clone()
         for i, seq in enumerate(seqs):
             if needs_processing[i]:
                 self._process(logits[i], seq)
                 logits[i] = _finite(logits[i])
+        if constrained:
+            self._constrain(logits, raw, [(i, seqs[i].matcher) for i in constrained])
 
         tokens = logits.argmax(dim=-1).tolist()  # greedy rows keep this
         for i, seq in enumerate(seqs):
@@ -91,6 +100,16 @@ class Sampler:
                     entry.setdefault(tid, lp)
             logprobs.append(entry)
         return tokens, logprobs
+
+    def _constrain(self, logits: torch.Tensor, raw: torch.Tensor, rows: list[tuple[int, object]]) -> None:
+        if self._masks is None:
+            self._masks = grammar.Masks(logits.shape[-1], torch.get_num_threads())
+        allowed = self._masks.fill([m for _, m in rows])
+        for j, (i, _) in enumerate(rows):
+            grammar.apply(logits[i], allowed[j])
+            if not torch.isfinite(logits[i].max()):  # the request's own masks left nothing: the grammar wins
+                logits[i] = raw[i]
+                grammar.apply(logits[i], allowed[j])
 
     def _processes(self, seq: Sequence) -> bool:
         p = seq.params

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cpuserve.core.sampling_params import SamplingParams
+from cpuserve.structured.spec import GrammarSpec, from_fields
 
 
 class StreamOptions(BaseModel):
@@ -69,8 +70,22 @@ class SamplingFields(RequestBody):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
+    # structured output: OpenAI's response_format, vLLM's guided_* extras and structured_outputs
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted as vLLM does; the one backend is llguidance
+    structured_outputs: dict | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def constraint(self) -> GrammarSpec | None:
+        """The request's output constraint (SpecError, a ValueError naming the field, when malformed)."""
+        return from_fields(self.response_format, self.structured_outputs, self.guided_json, self.guided_regex,
+                           self.guided_choice, self.guided_grammar)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        structured: GrammarSpec | None = None) -> SamplingParams:
         bias = None
         if self.logit_bias:
             try:
@@ -85,7 +100,8 @@ class SamplingFields(RequestBody):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, logprobs=logprobs, logit_bias=bias,
-            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens)
+            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
+            structured=structured)
 
 
 class CompletionRequest(SamplingFields):
@@ -124,7 +140,6 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     tools: list | None = None
-    response_format: dict | None = None
 
 
 class TokenizeRequest(RequestBody):

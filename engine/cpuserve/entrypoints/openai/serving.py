@@ -17,6 +17,8 @@ from cpuserve.engine.outputs import RequestOutput
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.metrics import Metrics, RequestTimer
 from cpuserve.entrypoints.openai.streaming import first_then_rest, merge
+from cpuserve.structured import grammar
+from cpuserve.structured.spec import GrammarSpec, SpecError
 
 
 @dataclass
@@ -47,6 +49,25 @@ def sampling_params(make: Callable[..., SamplingParams], *args) -> SamplingParam
         return make(*args)
     except ValueError as e:
         raise APIError(400, str(e)) from None
+
+
+async def constraint(req) -> GrammarSpec | None:
+    """The request's output constraint, checked by the grammar engine off the event loop
+    (a large grammar takes milliseconds to validate); a 400 naming the field otherwise."""
+    try:
+        spec = req.constraint()
+    except SpecError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    if spec is not None:
+        msg = await asyncio.to_thread(grammar.validate, spec)
+        if msg:
+            raise APIError(400, f"invalid output constraint: {msg}", param=_field_of(req))
+    return spec
+
+
+def _field_of(req) -> str:
+    return next((f for f in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                             "guided_choice", "guided_grammar") if getattr(req, f, None) is not None), "response_format")
 
 
 Prompt = tuple[str | None, list[int], SamplingParams]

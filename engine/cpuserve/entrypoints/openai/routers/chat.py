@@ -9,7 +9,7 @@ from cpuserve.core.sampling_params import SamplingParams
 from cpuserve.engine.outputs import RequestOutput
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import ChatCompletionRequest, now, usage
-from cpuserve.entrypoints.openai.serving import ServerState, generate, sampling_params, server_state
+from cpuserve.entrypoints.openai.serving import ServerState, constraint, generate, sampling_params, server_state
 from cpuserve.entrypoints.openai.streaming import DeltaTracker, sse
 
 router = APIRouter()
@@ -25,7 +25,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if max_tokens is None:
         max_tokens = max(1, st.engine.info.max_model_len - len(ids))
     top = req.top_logprobs if req.top_logprobs is not None else 0
-    params = sampling_params(req.sampling_params, max_tokens, top if req.logprobs else None)
+    spec = await constraint(req)
+    params = sampling_params(req.sampling_params, max_tokens, top if req.logprobs else None, spec)
     view = ChatView(st, params, top, len(ids), bool(req.stream_options and req.stream_options.include_usage))
     return await generate(request, [(None, ids, params)], view.stream, view.final, req.stream)
 
@@ -33,8 +34,6 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
 def refuse_unsupported(req: ChatCompletionRequest) -> None:
     if req.tools:
         raise APIError(400, "tools are not supported", param="tools")
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise APIError(400, "only response_format type 'text' is supported", param="response_format")
 
 
 def render_conversation(req: ChatCompletionRequest, tok) -> list[int]:

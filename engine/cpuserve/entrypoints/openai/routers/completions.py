@@ -9,7 +9,7 @@ from cpuserve.core.sampling_params import SamplingParams
 from cpuserve.engine.outputs import RequestOutput
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import CompletionRequest, now, usage
-from cpuserve.entrypoints.openai.serving import ServerState, generate, sampling_params, server_state
+from cpuserve.entrypoints.openai.serving import ServerState, constraint, generate, sampling_params, server_state
 from cpuserve.entrypoints.openai.streaming import DeltaTracker, sse
 
 router = APIRouter()
@@ -21,7 +21,8 @@ async def completions(req: CompletionRequest, request: Request):
     st.check_model(req.model)
     refuse_unsupported(req)
     prompts = await asyncio.to_thread(tokenize_prompts, req.prompt, st.tokenizer)  # off the event loop
-    params = sampling_params(req.sampling_params, req.max_tokens, req.logprobs)
+    spec = await constraint(req)
+    params = sampling_params(req.sampling_params, req.max_tokens, req.logprobs, spec)
     view = CompletionView(st, params, bool(req.stream_options and req.stream_options.include_usage))
     return await generate(request, [(t, ids, params) for t, ids in prompts], view.stream, view.final, req.stream)
 

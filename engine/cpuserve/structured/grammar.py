@@ -1,0 +1,111 @@
+"""The grammar engine behind structured output: llguidance (Microsoft's guidance
+parser; vLLM's `guidance` backend). It needs no transformers and no torch: the
+tokenizer is built from the model's own tokenizer.json, so the engine images can
+carry it. Where its wheel does not exist (s390x), `available()` is False and
+constrained requests are refused with a 400, never served unconstrained.
+
+A `GrammarSpec` compiles to an `LLMatcher` (a parser state over token ids); each
+sequence has its own. Per step, `Masks.fill` computes the allowed-token bitmask of
+every constrained row in parallel (llguidance's executor, native threads, GIL
+released) and `apply` sets the others to -inf in the logits.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import numpy as np
+
+from cpuserve.structured.spec import GrammarSpec
+
+try:  # a wheel for x86_64 and arm64; none for s390x
+    import llguidance as _llg
+    from llguidance import numpy as _llg_np
+except ImportError:  # pragma: no cover - exercised only on images without the wheel
+    _llg = None
+
+UNAVAILABLE = ("structured output is not available in this build: the grammar engine (llguidance) "
+               "has no wheel for this architecture")
+_FORMAT = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def available() -> bool:
+    return _llg is not None
+
+
+def grammar_text(spec: GrammarSpec) -> str:
+    """The llguidance grammar for a spec (a Lark grammar, or GBNF translated to Lark)."""
+    if spec.kind == "json_object":
+        return _llg.grammar_from("json_schema", json.dumps({"type": "object"}))
+    if spec.kind == "regex":  # \d and \w as ASCII classes, as JSON Schema and xgrammar read them
+        return _llg.grammar_from("lark", f"start: /{_llg.regex_to_lark(spec.text, 'dw')}/")
+    return _llg.grammar_from(_FORMAT[spec.kind], spec.text)
+
+
+def validate(spec: GrammarSpec) -> str:
+    """'' when the constraint compiles, else the grammar engine's message (the client's error).
+    Needs no tokenizer: the API process checks a request before accepting it."""
+    if _llg is None:
+        return UNAVAILABLE
+    try:
+        msg = _llg.LLMatcher.validate_grammar(grammar_text(spec))
+    except ValueError as e:
+        return str(e)
+    return "" if msg.startswith("WARNING") else msg
+
+
+class GrammarCompiler:
+    """Compiles specs against the model's vocabulary; one prototype matcher per distinct
+    spec is kept (an LRU), and each sequence gets a copy of it."""
+
+    def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: set[int], cache_size: int = 256):
+        if _llg is None:
+            raise ValueError(UNAVAILABLE)
+        text = (Path(model_dir) / "tokenizer.json").read_text()
+        eos = sorted(eos_token_ids)
+        self.tokenizer = _llg.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos or None)
+        self.vocab_size = vocab_size
+        self._proto = functools.lru_cache(maxsize=cache_size)(self._compile)
+
+    def _compile(self, spec: GrammarSpec):
+        m = _llg.LLMatcher(self.tokenizer, grammar_text(spec))
+        if m.is_error():
+            raise ValueError(f"the output constraint does not compile: {m.get_error()}")
+        return m
+
+    def matcher(self, spec: GrammarSpec):
+        """A fresh parser state for one sequence (ValueError when the spec does not compile)."""
+        return self._proto(spec).deep_copy()
+
+
+class Masks:
+    """Per-step bitmasks of the constrained rows of a batch, filled in parallel."""
+
+    def __init__(self, vocab_size: int, threads: int = 2):
+        import torch  # the engine core's; the API process validates without torch
+
+        self.vocab_size = vocab_size
+        self._executor = _llg.LLExecutor(max(1, threads))
+        self._buf = _llg_np.allocate_token_bitmask(1, vocab_size)
+        self._bits = torch.arange(32, dtype=torch.int32)
+
+    def fill(self, matchers: list):
+        """A bool [len(matchers), vocab] tensor: True where the token is allowed."""
+        n = len(matchers)
+        if self._buf.shape[0] < n:
+            self._buf = _llg_np.allocate_token_bitmask(n, self.vocab_size)
+        buf = self._buf[:n]
+        _llg_np.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], buf)
+        import torch
+
+        words = torch.from_numpy(np.ascontiguousarray(buf))
+        return ((words.unsqueeze(-1) >> self._bits) & 1).bool().view(n, -1)[:, : self.vocab_size]
+
+
+def apply(logits, allowed) -> None:
+    """Masks a [V] or [R, V] logits tensor in place (the model's vocabulary may be wider
+    than the tokenizer's: the extra ids are never allowed)."""
+    v = allowed.shape[-1]
+    logits[..., :v].masked_fill_(~allowed, float("-inf"))
+    logits[..., v:] = float("-inf")

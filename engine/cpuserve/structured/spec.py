@@ -1,0 +1,137 @@
+"""What a request constrains its output to, from the fields OpenAI and vLLM name it by.
+
+Pure: no grammar engine here. `from_fields` reads OpenAI's `response_format`
+(`json_object`, `json_schema`), vLLM's `guided_json` / `guided_regex` /
+`guided_choice` / `guided_grammar` extras and its newer `structured_outputs`
+object, and returns at most one `GrammarSpec`; two constraints at once, or one of
+the wrong shape, is a ValueError that names the field (the server's 400).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+# Bounds of one constraint, named in the 400 a larger one gets (the grammar engine's
+# own limits guard the compiled size; these keep a request body from carrying megabytes).
+MAX_SPEC_CHARS = 64 * 1024
+MAX_CHOICES = 1024
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """One constraint. `text` is canonical: a schema as sorted JSON, choices as a JSON list."""
+    kind: str
+    text: str
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown structured output kind {self.kind!r}")
+
+
+class SpecError(ValueError):
+    """A constraint the client got wrong; `param` names the request field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _schema_text(schema, param: str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise SpecError(f"{param} is not valid JSON: {e}", param) from None
+    if not isinstance(schema, (dict, bool)):
+        raise SpecError(f"{param} must be a JSON schema (an object), got {type(schema).__name__}", param)
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+
+
+def _checked(spec: GrammarSpec, param: str) -> GrammarSpec:
+    if len(spec.text) > MAX_SPEC_CHARS:
+        raise SpecError(f"{param} may be at most {MAX_SPEC_CHARS} characters, got {len(spec.text)}", param)
+    return spec
+
+
+def _choice(choices, param: str) -> GrammarSpec:
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise SpecError(f"{param} must be a non-empty list of non-empty strings", param)
+    if len(choices) > MAX_CHOICES:
+        raise SpecError(f"{param} may hold at most {MAX_CHOICES} choices, got {len(choices)}", param)
+    return GrammarSpec("choice", json.dumps(choices))
+
+
+def _text(value, param: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise SpecError(f"{param} must be a non-empty string", param)
+    return value
+
+
+def from_response_format(fmt: dict | None, param: str = "response_format") -> GrammarSpec | None:
+    """OpenAI's response_format: text (no constraint), json_object, json_schema."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object", "")
+    if kind == "json_schema":
+        js = fmt.get("json_schema")
+        if not isinstance(js, dict):
+            raise SpecError("response_format.json_schema must be an object holding `name` and `schema`", param)
+        schema = js.get("schema", js.get("json_schema"))
+        if schema is None:
+            raise SpecError("response_format.json_schema.schema is missing", param)
+        return GrammarSpec("json", _schema_text(schema, f"{param}.json_schema.schema"))
+    raise SpecError(f"response_format type must be one of text, json_object, json_schema; got {kind!r}", param)
+
+
+def from_structured_outputs(so: dict | None) -> GrammarSpec | None:
+    """vLLM's `structured_outputs` object: exactly one of json, regex, choice, grammar, json_object."""
+    if not so:
+        return None
+    if not isinstance(so, dict):
+        raise SpecError("structured_outputs must be an object", "structured_outputs")
+    given = {k: v for k, v in so.items() if k in ("json", "regex", "choice", "grammar", "json_object")
+             and v not in (None, False)}
+    if len(given) != 1:
+        raise SpecError("structured_outputs must set exactly one of json, regex, choice, grammar, json_object; "
+                        f"got {sorted(given) or 'none'}", "structured_outputs")
+    (key, value), = given.items()
+    return _one(key, value, f"structured_outputs.{key}")
+
+
+def _one(key: str, value, param: str) -> GrammarSpec:
+    if key == "json":
+        return GrammarSpec("json", _schema_text(value, param))
+    if key == "json_object":
+        return GrammarSpec("json_object", "")
+    if key == "choice":
+        return _choice(value, param)
+    return GrammarSpec(key, _text(value, param))
+
+
+def from_fields(response_format: dict | None = None, structured_outputs: dict | None = None,
+                guided_json=None, guided_regex: str | None = None, guided_choice: list | None = None,
+                guided_grammar: str | None = None) -> GrammarSpec | None:
+    """The one constraint of a request, or None; more than one is the client's error."""
+    found: list[tuple[str, GrammarSpec]] = []
+    for param, spec in (("response_format", lambda: from_response_format(response_format)),
+                        ("structured_outputs", lambda: from_structured_outputs(structured_outputs)),
+                        ("guided_json", lambda: guided_json is not None and _one("json", guided_json, "guided_json")),
+                        ("guided_regex", lambda: guided_regex is not None and _one("regex", guided_regex,
+                                                                                    "guided_regex")),
+                        ("guided_choice", lambda: guided_choice is not None and _choice(guided_choice,
+                                                                                         "guided_choice")),
+                        ("guided_grammar", lambda: guided_grammar is not None and _one("grammar", guided_grammar,
+                                                                                        "guided_grammar"))):
+        s = spec()
+        if s:
+            found.append((param, _checked(s, param)))
+    if len(found) > 1:
+        names = ", ".join(p for p, _ in found)
+        raise SpecError(f"a request may carry one output constraint; got {names}", found[1][0])
+    return found[0][1] if found else None

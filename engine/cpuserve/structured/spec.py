@@ -21,9 +21,12 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """One constraint. `text` is canonical: a schema as sorted JSON, choices as a JSON list."""
+    """One constraint. `text` is canonical: a schema as sorted JSON, choices as a JSON list.
+    `whitespace` (JSON kinds only) is the regex of whitespace allowed between tokens; None
+    lays the document out on one line."""
     kind: str
     text: str
+    whitespace: str | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -116,8 +119,19 @@ def _one(key: str, value, param: str) -> GrammarSpec:
 
 def from_fields(response_format: dict | None = None, structured_outputs: dict | None = None,
                 guided_json=None, guided_regex: str | None = None, guided_choice: list | None = None,
-                guided_grammar: str | None = None) -> GrammarSpec | None:
+                guided_grammar: str | None = None, whitespace_pattern: str | None = None) -> GrammarSpec | None:
     """The one constraint of a request, or None; more than one is the client's error."""
+    spec = _from_fields(response_format, structured_outputs, guided_json, guided_regex, guided_choice,
+                        guided_grammar)
+    if whitespace_pattern is not None:
+        if spec is None or spec.kind not in ("json", "json_object"):
+            raise SpecError("guided_whitespace_pattern applies to JSON constraints only", "guided_whitespace_pattern")
+        spec = GrammarSpec(spec.kind, spec.text, _text(whitespace_pattern, "guided_whitespace_pattern"))
+    return spec
+
+
+def _from_fields(response_format, structured_outputs, guided_json, guided_regex, guided_choice,
+                 guided_grammar) -> GrammarSpec | None:
     found: list[tuple[str, GrammarSpec]] = []
     for param, spec in (("response_format", lambda: from_response_format(response_format)),
                         ("structured_outputs", lambda: from_structured_outputs(structured_outputs)),

@@ -77,12 +77,13 @@ class SamplingFields(RequestBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # accepted as vLLM does; the one backend is llguidance
+    guided_whitespace_pattern: str | None = None
     structured_outputs: dict | None = None
 
     def constraint(self) -> GrammarSpec | None:
         """The request's output constraint (SpecError, a ValueError naming the field, when malformed)."""
         return from_fields(self.response_format, self.structured_outputs, self.guided_json, self.guided_regex,
-                           self.guided_choice, self.guided_grammar)
+                           self.guided_choice, self.guided_grammar, self.guided_whitespace_pattern)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         structured: GrammarSpec | None = None) -> SamplingParams:

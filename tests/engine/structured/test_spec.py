@@ -1,0 +1,68 @@
+"""The constraint a request carries, read from OpenAI's and vLLM's fields (pure), and
+the grammar engine's verdict on it."""
+import json
+
+import pytest
+
+from cpuserve.structured import grammar
+from cpuserve.structured.spec import MAX_CHOICES, GrammarSpec, SpecError, from_fields
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("fields, want", [
+    ({}, None),
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, GrammarSpec("json_object", "")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+     GrammarSpec("json", json.dumps(SCHEMA, sort_keys=True, separators=(",", ":")))),
+    ({"guided_json": json.dumps(SCHEMA)}, GrammarSpec("json", json.dumps(SCHEMA, sort_keys=True, separators=(",", ":")))),
+    ({"guided_regex": "[0-9]+"}, GrammarSpec("regex", "[0-9]+")),
+    ({"guided_choice": ["a", "b"]}, GrammarSpec("choice", '["a", "b"]')),
+    ({"guided_grammar": 'root ::= "x"'}, GrammarSpec("grammar", 'root ::= "x"')),
+    ({"structured_outputs": {"json_object": True}}, GrammarSpec("json_object", "")),
+    ({"structured_outputs": {"regex": "a+", "choice": None}}, GrammarSpec("regex", "a+")),
+    ({"guided_json": SCHEMA, "whitespace_pattern": " ?"},
+     GrammarSpec("json", json.dumps(SCHEMA, sort_keys=True, separators=(",", ":")), " ?")),
+])
+def test_fields_to_spec(fields, want):
+    assert from_fields(**fields) == want
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_regex"),
+    ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),
+    ({"guided_json": "[1"}, "guided_json"),
+    ({"guided_json": 3}, "guided_json"),
+    ({"guided_choice": "a"}, "guided_choice"),
+    ({"guided_choice": ["a", ""]}, "guided_choice"),
+    ({"guided_choice": [str(i) for i in range(MAX_CHOICES + 1)]}, "guided_choice"),
+    ({"guided_regex": ""}, "guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "grammar"}}, "response_format"),
+    ({"structured_outputs": {}}, None),
+    ({"structured_outputs": {"regex": "a", "grammar": "b"}}, "structured_outputs"),
+    ({"guided_regex": "a", "whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    ({"guided_regex": "a" * 70000}, "guided_regex"),
+])
+def test_client_mistakes_name_the_field(fields, param):
+    if param is None:
+        assert from_fields(**fields) is None
+        return
+    with pytest.raises(SpecError) as e:
+        from_fields(**fields)
+    assert e.value.param == param
+
+
+@pytest.mark.skipif(not grammar.available(), reason=grammar.UNAVAILABLE)
+@pytest.mark.parametrize("spec, ok", [
+    (GrammarSpec("json", json.dumps(SCHEMA)), True),
+    (GrammarSpec("json", '{"type": "nope"}'), False),
+    (GrammarSpec("regex", "(a|b"), False),
+    (GrammarSpec("grammar", "root ::= missing"), False),
+    (GrammarSpec("grammar", "start: \"a\" | \"b\""), True),  # Lark as well as GBNF
+    (GrammarSpec("choice", '["x", "y"]'), True),
+    (GrammarSpec("json_object", ""), True),
+])
+def test_validate(spec, ok):
+    assert (grammar.validate(spec) == "") == ok

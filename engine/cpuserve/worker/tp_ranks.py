@@ -35,6 +35,16 @@ class RankFailure(RuntimeError):
     pass
 
 
+class RankConfigError(RankFailure, ValueError):
+    """A rank refused the configuration (a ValueError there, such as a KV cache that does not
+    fit its node): the same error as when rank 0 refuses it first, whichever rank wins the race."""
+
+
+def rank_failure(message: str, detail: str) -> RankFailure:
+    cls = RankConfigError if detail.startswith("ValueError: ") else RankFailure
+    return cls(f"{message}: {detail}")
+
+
 def start_rank0(config, model_dir: str):
     """Rank 0's start: plans the binding (unless the API process already did), starts
     ranks 1..N-1, then binds this process. Returns (its TPGroup, its binding report,
@@ -143,7 +153,7 @@ class RankProcesses:
                         self.check_alive()
                         raise RankFailure(f"tensor-parallel rank {r} closed its connection during startup")
                     if kind == "error":
-                        raise RankFailure(f"tensor-parallel rank {r} failed to start: {payload}")
+                        raise rank_failure(f"tensor-parallel rank {r} failed to start", str(payload))
                     infos[r] = payload
                 else:
                     self.check_alive()
@@ -184,7 +194,7 @@ class RankProcesses:
             for r in range(1, self.world):
                 detail = self._pending_error(r)
                 if detail:
-                    return RankFailure(f"tensor-parallel rank {r} failed: {detail}")
+                    return rank_failure(f"tensor-parallel rank {r} failed", detail)
                 p = self.procs[r]
                 if p.poll() is not None:
                     return RankFailure(f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.returncode}; "

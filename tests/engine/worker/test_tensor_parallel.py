@@ -57,3 +57,12 @@ def test_rank_that_does_not_fit_its_node_is_refused():
     msg = got["error"]
     assert "does not fit its NUMA node 0" in msg and "KV cache" in msg and "GiB" in msg
     assert "VLLM_CPU_KVCACHE_SPACE" in msg
+
+
+def test_a_rank_refusing_the_configuration_raises_what_rank_0_would():
+    """Which rank checks its node first is a race: either way the caller gets a ValueError."""
+    from cpuserve.worker.tp_ranks import RankFailure, rank_failure
+    refused = rank_failure("tensor-parallel rank 1 failed to start", "ValueError: rank 1 does not fit its NUMA node 0")
+    crashed = rank_failure("tensor-parallel rank 1 failed", "RuntimeError: comm closed")
+    assert isinstance(refused, ValueError) and isinstance(refused, RankFailure)
+    assert not isinstance(crashed, ValueError) and isinstance(crashed, RankFailure)

@@ -88,8 +88,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise SystemExit(f"--max-request-body-bytes must be >= 1, got {a.max_request_body_bytes}")
     if a.drain_timeout < 0:
         raise SystemExit(f"--drain-timeout must be >= 0 seconds, got {a.drain_timeout}")
+    if a.enable_auto_tool_choice and not a.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    parser = a.tool_call_parser if a.enable_auto_tool_choice else None
     return run(config, ServeOptions(a.host, a.port, a.served_model_name, api_key, a.max_waiting_requests,
-                                    a.max_request_body_bytes, a.drain_timeout))
+                                    a.max_request_body_bytes, a.drain_timeout, parser))
 
 
 def cmd_topology(a: argparse.Namespace) -> int:
@@ -197,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="queue bound: further requests get 503 until the queue drains")
     s.add_argument("--max-request-body-bytes", type=int, default=16 << 20,
                    help="larger request bodies get 413 before they are read (default 16 MiB)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto": find the calls the model writes (needs --tool-call-parser)')
+    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="the format the model writes tool calls in (Hermes/Qwen <tool_call>, Llama 3 JSON)")
     s.add_argument("--drain-timeout", type=float, default=25.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish while new ones get 503 "
                         "(keep it below the pod's terminationGracePeriodSeconds)")

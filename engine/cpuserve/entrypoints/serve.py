@@ -22,6 +22,7 @@ class ServeOptions:
     max_waiting_requests: int = 1024      # queue bound: further requests get 503
     max_request_body_bytes: int = 16 << 20  # larger bodies get 413 before they are parsed
     drain_timeout: float = 25.0           # after SIGTERM, at most this long for in-flight requests
+    tool_call_parser: str | None = None   # --enable-auto-tool-choice --tool-call-parser NAME
 
 
 def draining_server(config, st, drain_timeout: float):
@@ -70,7 +71,7 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
     engine = AsyncEngine(config, opts.max_waiting_requests, on_dead=on_dead)
     name = opts.served_model_name or ("smollm2" if config.model in (None, "", "default") else
                                  config.model.rstrip("/").split("/")[-1])
-    app = build_app(engine, name, opts.api_key, opts.max_request_body_bytes)
+    app = build_app(engine, name, opts.api_key, opts.max_request_body_bytes, opts.tool_call_parser)
     server = draining_server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning",
                                             access_log=False, timeout_graceful_shutdown=5),
                              app.state.server, opts.drain_timeout)

@@ -27,9 +27,10 @@ SERVED_WHILE_LOADING = ("/version", "/openapi.json", "/docs", "/metrics")
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = 16 << 20) -> FastAPI:
+              max_body_bytes: int = 16 << 20, tool_call_parser: str | None = None) -> FastAPI:
     app = FastAPI(title="cpuserve", version=cpuserve.__version__)
-    app.state.server = ServerState(engine, served_model_name, Metrics(served_model_name), api_key)
+    app.state.server = ServerState(engine, served_model_name, Metrics(served_model_name), api_key,
+                                   tool_call_parser=tool_call_parser)
     app.add_middleware(RequestContext, st=app.state.server, max_body_bytes=max_body_bytes)
     install_error_handlers(app)
     for router in ROUTERS:

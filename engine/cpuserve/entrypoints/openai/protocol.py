@@ -3,13 +3,17 @@ translation to SamplingParams. Unknown fields are ignored, as OpenAI does;
 invalid values become a 400 with the offending parameter named."""
 from __future__ import annotations
 
+import json
 import time
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cpuserve.core.sampling_params import SamplingParams
+from cpuserve.entrypoints.openai.tools import NamedToolChoice, ToolDef
 from cpuserve.structured.spec import GrammarSpec, from_fields
+
+MAX_TOOLS = 128
 
 
 class StreamOptions(BaseModel):
@@ -119,17 +123,47 @@ class ContentPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None                # a tool's answer: which call it answers
 
     def as_template_dict(self) -> dict:
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        out = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.tool_calls:  # templates index the arguments as a mapping (as vLLM hands them over)
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def _arguments(text: str):
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -140,7 +174,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template: str | None = None
-    tools: list | None = None
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(RequestBody):

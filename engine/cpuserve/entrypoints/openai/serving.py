@@ -28,6 +28,7 @@ class ServerState:
     metrics: Metrics
     api_key: str | None = None
     draining: bool = False  # after SIGTERM: in-flight requests finish, new ones get 503
+    tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto" is served
 
     @property
     def tokenizer(self):

@@ -59,7 +59,7 @@ class Server:
 
 @pytest.fixture(scope="session")
 def server():
-    s = Server("--served-model-name", "smollm2")
+    s = Server("--served-model-name", "smollm2", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     yield s
     s.stop()
 

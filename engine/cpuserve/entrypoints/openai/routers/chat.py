@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: the model's chat template, one conversation, n choices."""
+"""POST /v1/chat/completions: the model's chat template, one conversation, n choices,
+and tool calls (tools.py) found by the server's parser or enforced by the grammar."""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +8,7 @@ from fastapi import APIRouter, Request
 
 from cpuserve.core.sampling_params import SamplingParams
 from cpuserve.engine.outputs import RequestOutput
+from cpuserve.entrypoints.openai import tools as tl
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import ChatCompletionRequest, now, usage
 from cpuserve.entrypoints.openai.serving import ServerState, constraint, generate, sampling_params, server_state
@@ -19,29 +21,37 @@ router = APIRouter()
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     st = server_state(request)
     st.check_model(req.model)
-    refuse_unsupported(req)
+    mode = tool_mode(req, st)
     ids = await asyncio.to_thread(render_conversation, req, st.tokenizer)  # off the event loop
     max_tokens = req.max_completion_tokens or req.max_tokens
     if max_tokens is None:
         max_tokens = max(1, st.engine.info.max_model_len - len(ids))
     top = req.top_logprobs if req.top_logprobs is not None else 0
     spec = await constraint(req)
-    params = sampling_params(req.sampling_params, max_tokens, top if req.logprobs else None, spec)
-    view = ChatView(st, params, top, len(ids), bool(req.stream_options and req.stream_options.include_usage))
+    enforced = tl.constraint(req.tools, mode, req.parallel_tool_calls is not False)
+    if enforced is not None and spec is not None:
+        raise APIError(400, "response_format and guided_* cannot be combined with tool_choice 'required' or a "
+                       "named function (the tool call's schema is the constraint)", param="tool_choice")
+    params = sampling_params(req.sampling_params, max_tokens, top if req.logprobs else None, spec or enforced)
+    view = ChatView(st, params, top, len(ids), bool(req.stream_options and req.stream_options.include_usage),
+                    mode)
     return await generate(request, [(None, ids, params)], view.stream, view.final, req.stream)
 
 
-def refuse_unsupported(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise APIError(400, "tools are not supported", param="tools")
+def tool_mode(req: ChatCompletionRequest, st: ServerState) -> str:
+    try:
+        return tl.resolve_choice(req.tools, req.tool_choice, st.tool_call_parser is not None)
+    except tl.ToolError as e:
+        raise APIError(400, str(e), param=e.param) from None
 
 
 def render_conversation(req: ChatCompletionRequest, tok) -> list[int]:
     """The conversation through the chat template, as token ids (a template error is the client's)."""
+    extra = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if req.tools else {}
     try:
         text = tok.apply_chat_template([m.as_template_dict() for m in req.messages],
                                        add_generation_prompt=req.add_generation_prompt,
-                                       chat_template=req.chat_template)
+                                       chat_template=req.chat_template, **extra)
     except Exception as e:  # noqa: BLE001 - a template error is the client's input
         raise APIError(400, f"chat template failed: {e}", param="messages") from None
     ids = tok.encode(text, add_special_tokens=False)
@@ -53,10 +63,33 @@ def render_conversation(req: ChatCompletionRequest, tok) -> list[int]:
 class ChatView:
     """Renders engine outputs as chat.completion objects, whole or as chunks."""
 
-    def __init__(self, st: ServerState, params: SamplingParams, top: int, prompt_tokens: int, include_usage: bool):
+    def __init__(self, st: ServerState, params: SamplingParams, top: int, prompt_tokens: int, include_usage: bool,
+                 mode: str = "none"):
         self.st, self.params, self.top = st, params, top
         self.prompt_tokens, self.include_usage = prompt_tokens, include_usage
         self.created = now()
+        self.mode = mode
+
+    def tool_stream(self) -> tl.ToolStream:
+        parser = tl.make_parser(self.st.tool_call_parser) if self.mode == "auto" else None
+        return tl.ToolStream(self.mode, parser)
+
+    def finish_reason(self, ts: tl.ToolStream, reason: str | None) -> str | None:
+        """'tool_calls' when a call ended the turn ('stop' for a named function, as OpenAI says)."""
+        if ts.calls and reason == "stop" and not self.mode.startswith("function:"):
+            return "tool_calls"
+        return reason
+
+    def message(self, c) -> tuple[dict, str | None]:
+        ts = self.tool_stream()
+        try:
+            content, _ = ts.push(c.text, done=True)
+        except ValueError:  # an enforced call cut short by max_tokens: the text as it is
+            return {"role": "assistant", "content": c.text}, c.finish_reason
+        msg = {"role": "assistant", "content": content if not ts.calls else (content or None)}
+        if ts.calls:
+            msg["tool_calls"] = [call.as_dict() for call in ts.calls]
+        return msg, self.finish_reason(ts, c.finish_reason)
 
     def head(self, base: str, obj: str) -> dict:
         return {"id": f"chatcmpl-{base}", "object": obj, "created": self.created, "model": self.st.served_model_name}
@@ -75,32 +108,43 @@ class ChatView:
 
     def final(self, base: str, outs: list[RequestOutput]) -> dict:
         out = outs[0]
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self.logprobs(c, 0, len(c.token_ids)), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            msg, reason = self.message(c)
+            choices.append({"index": c.index, "message": msg, "logprobs": self.logprobs(c, 0, len(c.token_ids)),
+                            "finish_reason": reason, "stop_reason": c.stop_reason})
         return {**self.head(base, "chat.completion"), "choices": choices,
                 "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
 
     async def stream(self, base: str, items):
         head = self.head(base, "chat.completion.chunk")
-        deltas, started = DeltaTracker(self.params.stop_strings), set()
+        deltas, tools = DeltaTracker(self.params.stop_strings), {}
         try:
             async for _, out in items:
                 for c in out.outputs:
                     k = c.index
-                    if k not in started:
-                        started.add(k)
+                    if k not in tools:
+                        tools[k] = self.tool_stream()
                         yield sse({**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
                                                         "logprobs": None, "finish_reason": None}]})
                     step = deltas.advance(k, c)
                     if step is None:
                         continue
-                    delta, t0, _, done = step
-                    yield sse({**head, "choices": [{"index": k, "delta": {"content": delta} if delta else {},
-                                                    "logprobs": self.logprobs(c, t0, len(c.token_ids)),
-                                                    "finish_reason": c.finish_reason if done else None}]})
+                    text, t0, _, done = step
+                    yield sse({**head, "choices": [{"index": k, **self.delta(tools[k], text, done, c),
+                                                    "logprobs": self.logprobs(c, t0, len(c.token_ids))}]})
             if self.include_usage:
                 yield sse({**head, "choices": [], "usage": usage(self.prompt_tokens, deltas.completion_tokens())})
             yield sse("[DONE]")
         except APIError as e:
             yield sse(e.body())
+
+    def delta(self, ts: tl.ToolStream, text: str, done: bool, c) -> dict:
+        try:
+            content, calls = ts.push(text, done)
+        except ValueError:  # an enforced call cut short: what is left goes out as text
+            content, calls = ts.text[ts.sent:], []
+        delta = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = calls
+        return {"delta": delta, "finish_reason": self.finish_reason(ts, c.finish_reason) if done else None}

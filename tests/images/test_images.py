@@ -93,6 +93,11 @@ def test_amd64_engine_serves_as_non_root_on_a_read_only_root(container):
     text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1] if
                    json.loads(e)["choices"])
     assert "Paris" in text
+    body = json.dumps({"model": "smollm2", "prompt": "Is Paris in France? Answer:", "max_tokens": 4,
+                       "temperature": 0, "guided_choice": [" yes", " no"]}).encode()
+    req = urllib.request.Request(f"{base}/v1/completions", body, {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:  # structured output: the image carries its grammar engine
+        assert json.loads(r.read())["choices"][0]["text"] in (" yes", " no")
     ps = subprocess.run(["podman", "exec", container, "sh", "-c",
                          "id -u; command -v gcc g++ cc cmake ninja || echo no-compiler; "
                          "touch /usr/x 2>&1 || echo read-only"], capture_output=True, text=True).stdout.split()
@@ -181,3 +186,16 @@ def test_containerfiles_pass_hadolint():
     r = subprocess.run([str(hadolint), "--config", str(ROOT / ".hadolint.yaml"), "--no-color", *files],
                        capture_output=True, text=True)
     assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("arch, has", [("arm64", True), ("s390x", False)])
+def test_foreign_engine_has_structured_output_where_a_wheel_exists(arch, has):
+    """llguidance has wheels for amd64 and arm64 only: the s390x engine says so (its server
+    answers constrained requests with that 400) rather than generate unconstrained text."""
+    r = subprocess.run(RUN + ["--read-only", "--entrypoint", "python3", image("engine", arch), "-c",
+                              "from cpuserve.structured import grammar as g; print(g.available()); "
+                              "print(g.validate(g.GrammarSpec('regex', '[0-9]+')) or 'ok')"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    available, verdict = r.stdout.split("\n")[:2]
+    assert available == str(has) and (verdict == "ok") == has, r.stdout

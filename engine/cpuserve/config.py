@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 GiB = 1 << 30
+DEFAULT_KV_CACHE_GIB = 4.0  # vLLM's VLLM_CPU_KVCACHE_SPACE default, and ours without a memory limit
 
 
 def env_kv_cache_space() -> float | None:
@@ -40,6 +41,9 @@ class EngineConfig:
     seed: int = 0
     served_model_name: str | None = None
     binding: object | None = None     # binding.BindingPlan; None = planned from the environment at startup
+    # True when neither kv_cache_space nor the environment set it: under a container memory limit
+    # the engine then sizes the KV cache to what the limit leaves (ModelRunner), else 4 GiB
+    kv_cache_space_default: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 16:
@@ -51,7 +55,9 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.kv_cache_space is None:
-            self.kv_cache_space = env_kv_cache_space() or 4.0
+            self.kv_cache_space = env_kv_cache_space()
+            self.kv_cache_space_default = self.kv_cache_space is None and self.num_kv_blocks is None
+            self.kv_cache_space = self.kv_cache_space or DEFAULT_KV_CACHE_GIB
         if self.kv_cache_space <= 0:
             raise ValueError(f"kv_cache_space must be > 0 GiB, got {self.kv_cache_space}")
 

@@ -189,12 +189,41 @@ def _status_lists(status: str | None) -> tuple[list[int] | None, list[int] | Non
     return cpus, mems
 
 
+def _cpu_cgroup_dirs(root: Path) -> list[tuple[Path, int]]:
+    """(directory, cgroup version) of this process's own CPU cgroup, read through
+    /proc/self/cgroup, then of the mount's root (a container sees its own cgroup there)."""
+    base, out = root / "sys/fs/cgroup", []
+    for line in (_read(root / "proc/self/cgroup") or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        rel = path.lstrip("/")
+        if controllers == "":
+            out.append((base / rel, 2))
+        elif "cpu" in controllers.split(","):
+            out += [(base / controllers / rel, 1), (base / "cpu" / rel, 1)]
+    return out + [(base, 2), (base / "cpu", 1), (base / "cpu,cpuacct", 1)]
+
+
+def _quota_in(d: Path, version: int) -> float | None:
+    if version == 2:
+        fields = (_read(d / "cpu.max") or "").split()
+        ok = len(fields) == 2 and fields[0].isdigit() and fields[1].isdigit() and int(fields[1]) > 0
+        return int(fields[0]) / int(fields[1]) if ok else None
+    quota, period = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
+    try:
+        q, per = int(quota), int(period)
+    except (TypeError, ValueError):
+        return None
+    return q / per if q > 0 and per > 0 else None  # -1: no quota
+
+
 def _cpu_quota(root: Path) -> float | None:
-    raw = _read(root / "sys/fs/cgroup/cpu.max")  # cgroup v2, as seen from inside the container
-    fields = (raw or "").split()
-    if len(fields) == 2 and fields[0] != "max":
-        return int(fields[0]) / int(fields[1])
-    return None
+    """The tightest CFS quota over this process's own CPU cgroup and the mount's root, in CPUs
+    (cgroup v2 cpu.max, v1 cpu.cfs_quota_us / cpu.cfs_period_us); None without one."""
+    found = [q for d, v in _cpu_cgroup_dirs(root) if (q := _quota_in(d, v)) is not None]
+    return min(found) if found else None
 
 
 def read_topology(root: str | os.PathLike = "/", status: str | None = None, arch: str | None = None) -> Topology:

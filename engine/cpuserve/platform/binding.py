@@ -165,10 +165,23 @@ def _plan_auto(topo: Topology, world: int, reserved: int | None, visible: list[i
             keep = 0
             warnings.append(f"rank {r} has a single core; none is reserved from it for the API process")
         used, res = cores[:len(cores) - keep], cores[len(cores) - keep:]
+        cap = quota_threads(topo, world)
+        if cap is not None and cap < len(used):
+            warnings.append(f"a CPU quota of {topo.cpu_quota:g} CPUs (cgroup): rank {r} runs {cap} thread(s), "
+                            f"not {len(used)}, so that no thread waits out the quota period")
+            used, res = used[:cap], used[cap:] + res
         for c in res:
             spare.extend(topo.threads_of(c))
         ranks.append(_rank(topo, r, used, node, warnings))
     return BindingPlan("auto", tuple(ranks), tuple(sorted(spare)), tuple(warnings))
+
+
+def quota_threads(topo: Topology, world: int) -> int | None:
+    """Threads per rank that a CFS quota pays for (whole CPUs, at least one), or None without
+    a quota: OpenMP threads beyond it are throttled in turn, and every barrier waits for them."""
+    if topo.cpu_quota is None:
+        return None
+    return max(1, int(topo.cpu_quota + 1e-9) // world)
 
 
 def _plan_lists(topo: Topology, world: int, bind: str) -> BindingPlan:
@@ -210,6 +223,8 @@ def _plan_lists(topo: Topology, world: int, bind: str) -> BindingPlan:
 
 def _plan_nobind(topo: Topology, world: int, omp: int | None) -> BindingPlan:
     threads = omp if omp else max(1, len(topo.physical_cores(topo.allowed_cpus)) // world)
+    if not omp and quota_threads(topo, world) is not None:
+        threads = min(threads, quota_threads(topo, world))
     ranks = tuple(RankBinding(r, None, threads, None) for r in range(world))
     return BindingPlan("nobind", ranks, ())
 

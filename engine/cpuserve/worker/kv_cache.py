@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from cpuserve.config import GiB, EngineConfig
+from cpuserve.config import DEFAULT_KV_CACHE_GIB, GiB, EngineConfig
 from cpuserve.model_executor.parallel import TPGroup
 
 
@@ -104,6 +104,33 @@ def check_fits_container(what: str, need: int, limit: int | None) -> None:
             f"{TOO_LARGE}: {what} need {need / GiB:.2f} GiB, more than this container's memory limit of "
             f"{limit / GiB:.2f} GiB. Raise the limit (a CPUModelServer's is spec.model.sizeGiB + engine.kvCacheGiB "
             "+ engine.overheadGiB: declare the model's real size in sizeGiB), or lower VLLM_CPU_KVCACHE_SPACE")
+
+
+def runtime_reserve(hidden: int, intermediate: int, vocab: int, batched_tokens: int, max_seqs: int) -> int:
+    """Memory a step needs beyond weights and KV cache: float32 activations of the largest
+    step, three [rows, vocab] logit tensors for the sampler (logits, the processed copy,
+    logprobs), and 256 MiB for allocator slack. Measured on SmolLM2 (2,048-token prefill,
+    then 128 sequences sampling with logprobs): 180 MiB of growth after load; this gives 482."""
+    activations = batched_tokens * (8 * hidden + 3 * intermediate) * 4
+    logits = 3 * min(max_seqs, batched_tokens) * vocab * 4
+    return activations + logits + (256 << 20)
+
+
+def default_kv_bytes(limit: int | None, used: int, weights: int, reserve: int,
+                     cap: float = DEFAULT_KV_CACHE_GIB) -> tuple[int, str]:
+    """The KV cache when none was asked for: what the container's memory limit leaves after
+    the memory in use, the weights and the runtime reserve, at most `cap` GiB (vLLM's 4).
+    Returns (bytes, how it was computed, for the start-up log)."""
+    top = int(cap * GiB)
+    if limit is None:
+        return top, f"{cap:g} GiB (the default; no container memory limit)"
+    left = limit - used - weights - reserve
+    how = (f"memory limit {limit / GiB:.2f} GiB - in use {used / GiB:.2f} - weights {weights / GiB:.2f} - "
+           f"runtime reserve {reserve / GiB:.2f} = {left / GiB:.2f} GiB")
+    if left <= 0:
+        raise MemoryError(f"{TOO_LARGE}: no memory is left for a KV cache under this container's limit: {how}. "
+                          "Raise the memory limit, or use a smaller dtype")
+    return min(left, top), how + (f", capped at {cap:g} GiB" if left > top else "")
 
 
 def allocate(layers, blocks: int, block_size: int, kv_dtype: torch.dtype) -> torch.Tensor:

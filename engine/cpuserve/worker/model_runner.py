@@ -128,6 +128,8 @@ class ModelRunner:
         limit, used = kv_cache.memory_budget()
         if self.tp.size == 1:  # (tensor parallel ranks hold a share each: checked against NUMA nodes)
             weights = weights_in_memory(self.model_dir, self.dtype)
+            if self.config.kv_cache_space_default:
+                self._size_kv_cache(limit, used, weights)
             kv = int(self.config.kv_cache_space * kv_cache.GiB)
             kv_cache.check_fits_container(
                 f"the weights ({weights / kv_cache.GiB:.2f} GiB as {str(self.dtype).replace('torch.', '')}) and the "
@@ -140,6 +142,18 @@ class ModelRunner:
         if self.ranks is not None:
             self.rank_info = self.ranks.wait_ready()
             self.ranks.comm.unlink()  # every rank has attached: nothing is left behind in /dev/shm
+
+    def _size_kv_cache(self, limit: int | None, used: int, weights: int) -> None:
+        """No KV cache size was given: the container's memory limit decides it (logged)."""
+        c = self.hf_config
+        hidden = c.hidden_size
+        ffn = getattr(c, "intermediate_size", None) or getattr(c, "ffn_dim", None) or 4 * hidden
+        reserve = kv_cache.runtime_reserve(hidden, ffn, c.vocab_size,
+                                           self.config.resolve_batched_tokens(self.max_model_len),
+                                           self.config.max_num_seqs)
+        kv, how = kv_cache.default_kv_bytes(limit, used, weights, reserve)
+        self.config.kv_cache_space = kv / kv_cache.GiB
+        log.info("KV cache %.2f GiB: %s (VLLM_CPU_KVCACHE_SPACE sets it)", kv / kv_cache.GiB, how)
 
     def _allocate_kv_cache(self) -> tuple[int, torch.Tensor]:
         layers = self.model.attention_layers

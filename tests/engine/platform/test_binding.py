@@ -127,14 +127,44 @@ def test_nobind_and_oversubscription():
     assert [r.num_threads for r in default.ranks] == [8, 8]  # physical cores / ranks
 
 
-def test_cpu_quota_warning(tmp_path):
-    root = tmp_path / "tree"
+def _with_cgroup(tmp_path, name, files: dict) -> Path:
+    root = tmp_path / name
     shutil.copytree(TREES / "one_node_epyc_2c", root)
-    (root / "sys/fs/cgroup").mkdir(parents=True)
-    (root / "sys/fs/cgroup/cpu.max").write_text("150000 100000\n")
-    t = read_topology(root)
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text + "\n")
+    return root
+
+
+def test_cpu_quota_sets_the_thread_count(tmp_path):
+    """A 1.5-CPU quota pays for one thread: the engine runs one, on one core, and the other
+    core is left to the API process; an explicit list is kept but warned about."""
+    t = read_topology(_with_cgroup(tmp_path, "v2", {"sys/fs/cgroup/cpu.max": "150000 100000"}))
     assert t.cpu_quota == 1.5
-    assert any("quota of 1.5" in w for w in plan_binding(t, 1).warnings)
+    p = plan_binding(t, 1)
+    assert cpus_of(p) == [[0]] and p.ranks[0].num_threads == 1 and p.reserved_cpus == (1,)
+    assert any("quota of 1.5 CPUs" in w and "runs 1 thread" in w for w in p.warnings)
+    assert plan_binding(t, 1, bind="nobind").ranks[0].num_threads == 1
+    assert plan_binding(t, 1, bind="nobind", omp_num_threads=2).ranks[0].num_threads == 2  # asked for: kept
+    listed = plan_binding(t, 1, bind="0-1")
+    assert cpus_of(listed) == [[0, 1]] and any("throttled" in w for w in listed.warnings)
+    assert cpus_of(plan_binding(read_topology(_with_cgroup(tmp_path, "two", {
+        "sys/fs/cgroup/cpu.max": "200000 100000"})), 1)) == [[0, 1]]  # two CPUs paid for: both used
+
+
+def test_cpu_quota_read_from_the_process_own_cgroup_v1_and_v2(tmp_path):
+    v1 = _with_cgroup(tmp_path, "v1", {"proc/self/cgroup": "4:cpu,cpuacct:/kubepods/pod1/c1\n2:memory:/x",
+                                        "sys/fs/cgroup/cpu,cpuacct/kubepods/pod1/c1/cpu.cfs_quota_us": "50000",
+                                        "sys/fs/cgroup/cpu,cpuacct/kubepods/pod1/c1/cpu.cfs_period_us": "100000",
+                                        "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "-1",
+                                        "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000"})
+    assert read_topology(v1).cpu_quota == 0.5
+    v2 = _with_cgroup(tmp_path, "v2own", {"proc/self/cgroup": "0::/kubepods.slice/pod2",
+                                           "sys/fs/cgroup/kubepods.slice/pod2/cpu.max": "300000 100000",
+                                           "sys/fs/cgroup/cpu.max": "max 100000"})
+    assert read_topology(v2).cpu_quota == 3.0
+    none = _with_cgroup(tmp_path, "none", {"proc/self/cgroup": "0::/", "sys/fs/cgroup/cpu.max": "max 100000"})
+    assert read_topology(none).cpu_quota is None
 
 
 def test_env_settings():

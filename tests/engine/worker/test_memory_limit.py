@@ -82,3 +82,67 @@ def test_engine_in_a_cgroup_too_small_for_its_model_says_so(tmp_path):
             except OSError:
                 import time
                 time.sleep(0.1)
+
+
+def _cgroup_pair(name: str) -> tuple[Path | None, Path | None]:
+    """(memory cgroup, cpu cgroup) directories to create, v2 (one) or v1 (two); None where absent."""
+    if Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        ctl = Path("/sys/fs/cgroup/cgroup.controllers").read_text().split()
+        d = Path("/sys/fs/cgroup") / name
+        return (d if "memory" in ctl else None), (d if "cpu" in ctl else None)
+    cpu = next((Path("/sys/fs/cgroup", c) for c in ("cpu,cpuacct", "cpu") if Path("/sys/fs/cgroup", c).is_dir()), None)
+    mem = Path("/sys/fs/cgroup/memory")
+    return (mem / name if mem.is_dir() else None), (cpu / name if cpu else None)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or None in _cgroup_pair("x"), reason="needs root and the memory and cpu cgroups")
+def test_engine_sizes_itself_from_its_cgroup():
+    """No KV size given, in a cgroup of 1.6 GiB and one CPU's quota: the KV cache is what the limit
+    leaves (logged with the numbers), not 4 GiB, and the engine runs one thread."""
+    mem, cpu = _cgroup_pair(f"cpuserve-test-{uuid.uuid4().hex[:8]}")
+    made = []
+    try:
+        for d in dict.fromkeys((mem, cpu)):
+            d.mkdir()
+            made.append(d)
+        (mem / ("memory.max" if (mem / "memory.max").exists() else "memory.limit_in_bytes")).write_text(str(1600 << 20))
+        if (cpu / "cpu.max").exists():
+            (cpu / "cpu.max").write_text("100000 100000")
+        else:
+            (cpu / "cpu.cfs_period_us").write_text("100000")
+            (cpu / "cpu.cfs_quota_us").write_text("100000")
+        env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_KVCACHE_SPACE", "CPUSERVE_KVCACHE_SPACE",
+                                                                  "VLLM_CPU_OMP_THREADS_BIND")}
+        env["PYTHONPATH"] = os.pathsep.join(sys.path)
+        join = "".join(f"open('{d}/cgroup.procs', 'w').write(str(__import__('os').getpid()))\n" for d in made)
+        code = join + "import runpy, sys; sys.argv = ['cpuserve', 'generate', '--prompt', 'Hi', '--max-tokens', '4', " \
+                      "'--dtype', 'float32']; runpy.run_module('cpuserve', run_name='__main__')"
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        line = next((ln for ln in r.stderr.splitlines() if "KV cache" in ln and "memory limit 1.56 GiB" in ln), None)
+        assert line, r.stderr[-3000:]
+        kv = float(line.split("KV cache ")[1].split(" GiB")[0])
+        assert 0 < kv < 1.0, line
+        assert "quota of 1 CPUs" in r.stderr and "runs 1 thread" in r.stderr, r.stderr[-3000:]
+    finally:
+        for d in made:
+            for _ in range(50):
+                try:
+                    d.rmdir()
+                    break
+                except OSError:
+                    import time
+                    time.sleep(0.1)
+
+
+def test_default_kv_cache_from_the_limit():
+    from cpuserve.worker.kv_cache import default_kv_bytes, runtime_reserve
+    GiB = 1 << 30
+    assert default_kv_bytes(None, 5, 5, 5) == (4 * GiB, "4 GiB (the default; no container memory limit)")
+    kv, how = default_kv_bytes(2 * GiB, GiB // 4, GiB // 2, GiB // 4)
+    assert kv == GiB and how.startswith("memory limit 2.00 GiB - in use 0.25 - weights 0.50 - runtime reserve 0.25")
+    assert default_kv_bytes(64 * GiB, GiB, GiB, GiB)[0] == 4 * GiB  # capped at vLLM's default
+    with pytest.raises(MemoryError, match=f"{TOO_LARGE}: no memory is left for a KV cache"):
+        default_kv_bytes(GiB, GiB // 2, GiB // 2, 1)
+    small, big = runtime_reserve(576, 1536, 49152, 512, 8), runtime_reserve(576, 1536, 49152, 2048, 256)
+    assert (256 << 20) < small < big < GiB

@@ -93,24 +93,22 @@ class Masks:
     """Per-step bitmasks of the constrained rows of a batch, filled in parallel."""
 
     def __init__(self, vocab_size: int, threads: int = 2):
-        import torch  # the engine core's; the API process validates without torch
-
         self.vocab_size = vocab_size
         self._executor = _llg.LLExecutor(max(1, threads))
         self._buf = _llg_np.allocate_token_bitmask(1, vocab_size)
-        self._bits = torch.arange(32, dtype=torch.int32)
 
     def fill(self, matchers: list):
         """A bool [len(matchers), vocab] tensor: True where the token is allowed."""
+        import torch
+
         n = len(matchers)
         if self._buf.shape[0] < n:
             self._buf = _llg_np.allocate_token_bitmask(n, self.vocab_size)
         buf = self._buf[:n]
         _llg_np.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], buf)
-        import torch
-
-        words = torch.from_numpy(np.ascontiguousarray(buf))
-        return ((words.unsqueeze(-1) >> self._bits) & 1).bool().view(n, -1)[:, : self.vocab_size]
+        # bit j of word w is token 32w + j: little-endian bytes, each unpacked least significant bit first
+        bits = np.unpackbits(buf.astype("<i4", copy=False).view(np.uint8), axis=1, bitorder="little")
+        return torch.from_numpy(bits[:, : self.vocab_size]).bool()
 
 
 def apply(logits, allowed) -> None:

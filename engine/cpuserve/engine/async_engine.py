@@ -17,7 +17,7 @@ from typing import AsyncIterator
 from cpuserve.engine import core_process as cp
 from cpuserve.config import EngineConfig
 from cpuserve.engine.output_processor import OutputProcessor
-from cpuserve.engine.outputs import CoreStats, RequestOutput
+from cpuserve.engine.outputs import CoreStats, EmbeddingOutput, RequestOutput
 from cpuserve.core.sampling_params import SamplingParams
 from cpuserve.core.scheduler import admission_error
 from cpuserve.loading.tokenizer import load_tokenizer
@@ -48,6 +48,7 @@ class ModelInfo:
     load_seconds: float
     pid: int
     binding: list = field(default_factory=list)  # per rank: cpus, memoryNode, membind (GET /topology)
+    task: str = "generate"                       # or "embed": a pooling model (POST /v1/embeddings)
 
 
 class Mailbox:
@@ -189,6 +190,33 @@ class AsyncEngine:
                 if not self.dead:
                     await self._send(cp.ABORT, request_id)
 
+    async def embed(self, request_id: str, prompt_token_ids: list[int]) -> EmbeddingOutput:
+        """One input's embedding from a pooling model (the core batches concurrent ones)."""
+        if self.dead:
+            raise EngineDeadError(self.dead_reason)
+        if self.stats.num_waiting + self._unscheduled >= self.max_waiting:
+            raise Overloaded(f"too many waiting requests ({self.max_waiting}); retry later")
+        if request_id in self._queues:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        n, limit = len(prompt_token_ids), self.info.max_model_len
+        if n > limit:
+            raise RequestRejected(f"the input has {n} tokens; this embedding model takes at most {limit}")
+        q = Mailbox()
+        self._queues[request_id] = q
+        done = False
+        try:
+            await self._send(cp.ADD, request_id, prompt_token_ids, None, time.monotonic())
+            self._unscheduled += 1
+            item = await q.get()
+            if isinstance(item, Exception):
+                raise item
+            done = True
+            return item
+        finally:
+            self._queues.pop(request_id, None)
+            if not done and not self.dead:
+                await self._send(cp.ABORT, request_id)
+
     async def _send(self, *msg) -> None:
         await self._push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
@@ -200,6 +228,11 @@ class AsyncEngine:
                 outputs, stats = payload
                 self.stats = stats
                 self._unscheduled = 0
+                if outputs and isinstance(outputs[0], EmbeddingOutput):
+                    for out in outputs:
+                        if (q := self._queues.get(out.request_id)) is not None:
+                            q.put(out)
+                    continue
                 results, to_stop = self.output.process(outputs)
                 for rid, index in to_stop:
                     await self._send(cp.STOP_SEQ, rid, index)

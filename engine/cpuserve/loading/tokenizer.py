@@ -52,6 +52,9 @@ class Tokenizer:
         if not path.exists():
             raise ValueError(f"{model_dir}: no tokenizer.json (a fast tokenizer is required)")
         self._tok = HFTokenizer.from_file(str(path))
+        # as transformers: a tokenizer.json's stored padding / truncation apply only when asked for
+        self._tok.no_padding()
+        self._tok.no_truncation()
         cfg_path = model_dir / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         special_path = model_dir / "special_tokens_map.json"

@@ -34,10 +34,17 @@ class ServerState:
     def tokenizer(self):
         return self.engine.tokenizer  # set once the engine core is ready
 
-    def check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None, task: str | None = "generate") -> None:
+        """404 for another model's name; 400 for a route the model's task does not serve (None: any)."""
         if name not in (None, "", self.served_model_name):
             raise APIError(404, f"the model `{name}` does not exist (served: `{self.served_model_name}`)",
                            "not_found_error", "model")
+        served = self.engine.info.task if self.engine.info is not None else task
+        if task is not None and served != task:
+            what = {"embed": "an embedding model: use POST /v1/embeddings",
+                    "generate": "a generative model: POST /v1/embeddings serves encoder (embedding) models, "
+                                "such as all-MiniLM-L6-v2"}[served]
+            raise APIError(400, f"`{self.served_model_name}` is {what}", param="model")
 
 
 def server_state(request: Request) -> ServerState:

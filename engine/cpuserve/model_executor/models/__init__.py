@@ -12,6 +12,7 @@ _REGISTRY = {
     "OPTForCausalLM": ("opt", "OPTForCausalLM"),
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "BertModel": ("bert", "BertModel"),
 }
 
 

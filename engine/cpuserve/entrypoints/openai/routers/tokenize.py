@@ -13,7 +13,7 @@ router = APIRouter()
 @router.post("/tokenize")
 async def tokenize(req: TokenizeRequest, request: Request):
     st = server_state(request)
-    st.check_model(req.model)
+    st.check_model(req.model, task=None)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of prompt or messages")
     tok = st.tokenizer
@@ -29,7 +29,7 @@ async def tokenize(req: TokenizeRequest, request: Request):
 @router.post("/detokenize")
 async def detokenize(req: DetokenizeRequest, request: Request):
     st = server_state(request)
-    st.check_model(req.model)
+    st.check_model(req.model, task=None)
     vocab = st.engine.info.vocab_size
     if any(t < 0 or t >= vocab for t in req.tokens):
         raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")

@@ -1,0 +1,69 @@
+"""The engine core of an embedding model: requests wait in arrival order and each step
+encodes as many as fit the token budget (at least one), batched; no KV cache is touched."""
+from __future__ import annotations
+
+from collections import deque
+
+from cpuserve.config import EngineConfig
+from cpuserve.engine.outputs import CoreStats, EmbeddingOutput
+from cpuserve.worker.pooling_runner import PoolingRunner
+
+
+class PoolingCore:
+    task = "embed"
+
+    def __init__(self, config: EngineConfig, model_dir=None):
+        self.config = config
+        self.runner = PoolingRunner(config, model_dir)
+        self.max_model_len, self.vocab_size = self.runner.max_model_len, self.runner.vocab_size
+        self.budget = config.resolve_batched_tokens(self.max_model_len)
+        self.waiting: deque[tuple[str, list[int]]] = deque()
+        self.stats = CoreStats()
+
+    def validate(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the input is empty")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ValueError(f"input token ids must be in [0, {self.vocab_size})")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"the input has {len(ids)} tokens; this embedding model takes at most "
+                             f"{self.max_model_len}")
+
+    def add_request(self, request_id: str, ids: list[int], params=None, arrival: float | None = None) -> None:
+        self.validate(ids)
+        self.waiting.append((request_id, list(ids)))
+
+    def abort_request(self, request_id: str) -> None:
+        self.waiting = deque(r for r in self.waiting if r[0] != request_id)
+
+    def stop_sequence(self, request_id: str, index: int) -> None:
+        """(embeddings have no sequences to stop)"""
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting)
+
+    def step(self) -> list[EmbeddingOutput]:
+        batch, tokens = [], 0
+        while self.waiting and (not batch or tokens + len(self.waiting[0][1]) <= self.budget):
+            rid, ids = self.waiting.popleft()
+            batch.append((rid, ids))
+            tokens += len(ids)
+        vectors = self.runner.embed([ids for _, ids in batch])
+        self.stats.steps += 1
+        self.stats.prompt_tokens += tokens
+        return [EmbeddingOutput(rid, v, len(ids)) for (rid, ids), v in zip(batch, vectors)]
+
+    def snapshot_stats(self) -> CoreStats:
+        s = self.stats
+        s.num_running, s.num_waiting = 0, len(self.waiting)
+        return s
+
+
+def make_core(config: EngineConfig):
+    """The generation engine core, or the pooling one for an embedding model."""
+    from cpuserve.engine.engine_core import EngineCore
+    from cpuserve.loading.model_loader import resolve
+    from cpuserve.worker.pooling_runner import is_pooling_model
+
+    model_dir = resolve(config.model)
+    return PoolingCore(config, model_dir) if is_pooling_model(model_dir) else EngineCore(config)

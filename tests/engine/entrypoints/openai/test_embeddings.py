@@ -1,0 +1,84 @@
+"""POST /v1/embeddings on all-MiniLM-L6-v2 served by `cpuserve serve`: the reference's
+vectors through the official client, float and base64, many inputs batched as one, and
+the client's mistakes; a generative model refuses the route and vice versa."""
+import base64
+import struct
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from cpuserve.loading.model_loader import PACKAGED_EMBEDDER, resolve
+
+from .conftest import Server
+
+TEXTS = ["The weather is lovely today.", "It's so sunny outside!", "He drove to the stadium.",
+         "A man is playing guitar.", "Embeddings batch with each other."]
+
+
+@pytest.fixture(scope="module")
+def embed_server():
+    s = Server(PACKAGED_EMBEDDER)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from transformers import AutoModel, AutoTokenizer
+    d = str(resolve(PACKAGED_EMBEDDER))
+    hf, tok = AutoModel.from_pretrained(d).eval(), AutoTokenizer.from_pretrained(d)
+
+    def embed(text):
+        with torch.no_grad():
+            h = hf(**tok(text, return_tensors="pt")).last_hidden_state[0]
+        return torch.nn.functional.normalize(h.mean(0), dim=0)
+    return embed
+
+
+def test_vectors_match_the_reference_float_and_base64(embed_server, reference):
+    from openai import OpenAI
+    c = OpenAI(base_url=embed_server.url + "/v1", api_key="unused", max_retries=0)
+    r = c.embeddings.create(model=PACKAGED_EMBEDDER, input=TEXTS)
+    assert [d.index for d in r.data] == list(range(len(TEXTS))) and r.model == PACKAGED_EMBEDDER
+    for text, d in zip(TEXTS, r.data):
+        assert len(d.embedding) == 384
+        assert float(torch.dot(reference(text), torch.tensor(d.embedding))) > 0.9999
+    raw = httpx.post(embed_server.url + "/v1/embeddings", json={"input": TEXTS[0], "encoding_format": "base64"}).json()
+    b = base64.b64decode(raw["data"][0]["embedding"])
+    assert list(struct.unpack(f"<{len(b) // 4}f", b)) == pytest.approx(r.data[0].embedding, abs=1e-7)
+    assert r.usage.prompt_tokens == r.usage.total_tokens > len(TEXTS)
+
+
+def test_concurrent_requests_batch_and_give_what_each_gives_alone(embed_server):
+    def one(text):
+        return httpx.post(embed_server.url + "/v1/embeddings", json={"input": text}, timeout=60).json()
+    alone = [one(t)["data"][0]["embedding"] for t in TEXTS]
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(one, TEXTS * 8))
+    for i, r in enumerate(together):
+        assert r["data"][0]["embedding"] == pytest.approx(alone[i % len(TEXTS)], abs=1e-5)
+    tokens = httpx.post(embed_server.url + "/tokenize", json={"prompt": TEXTS[0]}).json()["tokens"]
+    by_ids = httpx.post(embed_server.url + "/v1/embeddings", json={"input": [tokens]}).json()
+    assert by_ids["data"][0]["embedding"] == pytest.approx(alone[0], abs=1e-5)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "x", "dimensions": 8}, "dimensions"),
+    ({"input": "word " * 300}, "input"),
+    ({"input": []}, "input"),
+    ({"input": "x", "model": "other"}, "model"),
+    ({"input": [[999999]]}, "input"),
+])
+def test_mistakes(embed_server, body, param):
+    r = httpx.post(embed_server.url + "/v1/embeddings", json=body, timeout=30)
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_routes_follow_the_model_task(embed_server, server):
+    r = httpx.post(embed_server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and "/v1/embeddings" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": "x"})
+    assert r.status_code == 400 and "generative" in r.json()["error"]["message"]

@@ -157,14 +157,18 @@ class AsyncEngine:
         if err:
             raise RequestRejected(err)
 
-    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    def _admit(self, request_id: str) -> None:
+        """What every request must pass: a live engine, room in the queue, an unused id."""
         if self.dead:
             raise EngineDeadError(self.dead_reason)
         if self.stats.num_waiting + self._unscheduled >= self.max_waiting:
             raise Overloaded(f"too many waiting requests ({self.max_waiting}); retry later")
         if request_id in self._queues:
             raise RequestRejected(f"request id {request_id!r} is already in use")
+
+    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        self._admit(request_id)
         if prompt_token_ids and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.info.vocab_size):
             raise RequestRejected(f"prompt token ids must be in [0, {self.info.vocab_size})")
         self.check(len(prompt_token_ids), params)
@@ -192,12 +196,7 @@ class AsyncEngine:
 
     async def embed(self, request_id: str, prompt_token_ids: list[int]) -> EmbeddingOutput:
         """One input's embedding from a pooling model (the core batches concurrent ones)."""
-        if self.dead:
-            raise EngineDeadError(self.dead_reason)
-        if self.stats.num_waiting + self._unscheduled >= self.max_waiting:
-            raise Overloaded(f"too many waiting requests ({self.max_waiting}); retry later")
-        if request_id in self._queues:
-            raise RequestRejected(f"request id {request_id!r} is already in use")
+        self._admit(request_id)
         n, limit = len(prompt_token_ids), self.info.max_model_len
         if n > limit:
             raise RequestRejected(f"the input has {n} tokens; this embedding model takes at most {limit}")

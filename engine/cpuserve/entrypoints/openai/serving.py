@@ -134,15 +134,20 @@ async def track(st: ServerState, gen: AsyncIterator[RequestOutput]) -> AsyncIter
                 seen = n
             last = out
             yield out
-    except RequestRejected as e:
-        raise APIError(400, str(e), param="prompt") from None
-    except Overloaded as e:
-        raise APIError(503, str(e), "service_unavailable") from None
-    except EngineDeadError as e:
-        raise APIError(503, f"engine failed: {e}", "service_unavailable") from None
+    except (RequestRejected, Overloaded, EngineDeadError) as e:
+        raise api_error(e, "prompt") from None
     finally:
         if last is not None and last.finished:
             timer.finish([c.finish_reason for c in last.outputs])
+
+
+def api_error(e: Exception, param: str) -> APIError:
+    """An engine's refusal as the client sees it: 400 naming `param`, or 503."""
+    if isinstance(e, RequestRejected):
+        return APIError(400, str(e), param=param)
+    if isinstance(e, EngineDeadError):
+        return APIError(503, f"engine failed: {e}", "service_unavailable")
+    return APIError(503, str(e), "service_unavailable")
 
 
 async def _watch_disconnect(request: Request) -> None:

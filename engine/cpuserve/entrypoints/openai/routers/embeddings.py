@@ -17,7 +17,7 @@ from pydantic import Field
 from cpuserve.engine.async_engine import EngineDeadError, Overloaded, RequestRejected
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import RequestBody
-from cpuserve.entrypoints.openai.serving import server_state
+from cpuserve.entrypoints.openai.serving import api_error, server_state
 
 router = APIRouter()
 MAX_INPUTS = 2048
@@ -40,12 +40,8 @@ async def embeddings(req: EmbeddingRequest, request: Request):
     base = f"{request.state.request_id}-{uuid.uuid4().hex[:8]}"
     try:
         outs = await asyncio.gather(*(st.engine.embed(f"{base}-{i}", ids) for i, ids in enumerate(inputs)))
-    except RequestRejected as e:
-        raise APIError(400, str(e), param="input") from None
-    except Overloaded as e:
-        raise APIError(503, str(e), "service_unavailable") from None
-    except EngineDeadError as e:
-        raise APIError(503, f"the engine is down: {e}", "service_unavailable") from None
+    except (RequestRejected, Overloaded, EngineDeadError) as e:
+        raise api_error(e, "input") from None
     data = [{"object": "embedding", "index": i, "embedding": encode(truncate(o.embedding, dims), req.encoding_format)}
             for i, o in enumerate(outs)]
     n = sum(o.num_tokens for o in outs)

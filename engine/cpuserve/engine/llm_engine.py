@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from cpuserve.config import EngineConfig
-from cpuserve.engine.engine_core import EngineCore
 from cpuserve.engine.output_processor import OutputProcessor
-from cpuserve.engine.outputs import RequestOutput
+from cpuserve.engine.outputs import EmbeddingOutput, RequestOutput
+from cpuserve.engine.pooling_core import make_core
 from cpuserve.core.sampling_params import SamplingParams
 from cpuserve.loading.tokenizer import load_tokenizer
 
@@ -12,7 +12,8 @@ from cpuserve.loading.tokenizer import load_tokenizer
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.core = EngineCore(config)
+        self.core = make_core(config)  # the generation core, or the pooling one of an embedding model
+        self.task = getattr(self.core, "task", "generate")
         self.tokenizer = load_tokenizer(self.core.runner.model_dir)
         self.output = OutputProcessor(self.tokenizer)
 
@@ -25,6 +26,8 @@ class LLMEngine:
     max_model_len = property(lambda self: self.core.max_model_len)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        if self.task != "generate":
+            raise ValueError(f"{self.core.runner.model_dir} is an embedding model: use LLM.embed")
         params = params or SamplingParams()
         text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
         self.core.add_request(request_id, ids, params)
@@ -42,6 +45,21 @@ class LLMEngine:
         for request_id, index in to_stop:
             self.core.stop_sequence(request_id, index)
         return outputs
+
+    def embed(self, prompts: list[str | list[int]]) -> list[EmbeddingOutput]:
+        """Embeddings of an embedding model, in the order given (batched by the core)."""
+        if self.task != "embed":
+            raise ValueError(f"{self.core.runner.model_dir} is a generative model: embeddings need an "
+                             "embedding model such as all-MiniLM-L6-v2")
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        for x in ids:  # all checked before any is queued: a refusal leaves nothing behind
+            self.core.validate(x)
+        for i, x in enumerate(ids):
+            self.core.add_request(str(i), x)
+        got: dict[str, EmbeddingOutput] = {}
+        while self.core.has_unfinished():
+            got.update((o.request_id, o) for o in self.core.step())
+        return [got[str(i)] for i in range(len(ids))]
 
     def prefix_cache_stats(self) -> dict[str, int]:
         return {"queries": self.core.block_manager.prefix_queries, "hits": self.core.block_manager.prefix_hits}

@@ -3,6 +3,7 @@
     llm = LLM()                      # the packaged SmolLM2-135M-Instruct
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
     outs = llm.chat([{"role": "user", "content": "Hi!"}])
+    vecs = LLM("all-MiniLM-L6-v2").embed(["Hello"])   # an embedding model
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Sequence as Seq
 
 from cpuserve.config import EngineConfig
 from cpuserve.engine.llm_engine import LLMEngine
-from cpuserve.engine.outputs import RequestOutput
+from cpuserve.engine.outputs import EmbeddingOutput, RequestOutput
 from cpuserve.core.sampling_params import SamplingParams
 from cpuserve.loading.tokenizer import apply_chat_template
 
@@ -25,6 +26,12 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def embed(self, prompts: str | list[int] | Seq[str | list[int]]) -> list[EmbeddingOutput]:
+        """One EmbeddingOutput (`.embedding`, `.num_tokens`) per prompt, from an embedding model."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self.engine.embed(list(prompts))
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:

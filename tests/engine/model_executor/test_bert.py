@@ -56,3 +56,26 @@ def test_pooling_config(tmp_path, modules, pooling, want):
     v = want(states, [3])[0]
     raw = {"cls": states[0], "last": states[-1], "max": states.max(0).values, "mean": states.mean(0)}[want.mode]
     assert torch.allclose(v, torch.nn.functional.normalize(raw, dim=0) if want.normalize else raw)
+
+
+def test_offline_llm_embed_equals_the_model_and_refuses_generation(minilm):
+    from cpuserve import LLM
+    d, model, tok = minilm
+    llm = LLM(PACKAGED_EMBEDDER)
+    outs = llm.embed(TEXTS[:3])
+    pool = Pooling.from_dir(d, decoder=False)
+    for text, o in zip(TEXTS, outs):
+        ids = tok.encode(text)
+        assert o.num_tokens == len(ids)
+        assert torch.allclose(torch.tensor(o.embedding), pool(model.encode([ids]), [len(ids)])[0], atol=1e-5)
+    with pytest.raises(ValueError, match="embedding model: use LLM.embed"):
+        llm.generate("Hello")
+    with pytest.raises(ValueError, match=f"at most {llm.engine.core.max_model_len}"):
+        llm.embed(["word " * 400])
+    assert not llm.engine.core.has_unfinished()  # the refused batch queued nothing
+    assert len(llm.embed(TEXTS[0])) == 1
+
+
+def test_a_generative_model_has_no_embeddings(llm_f32):
+    with pytest.raises(ValueError, match="generative model"):
+        llm_f32.engine.embed(["Hello"])

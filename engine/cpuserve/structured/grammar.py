@@ -27,7 +27,6 @@ except ImportError:  # pragma: no cover - exercised only on images without the w
 
 UNAVAILABLE = ("structured output is not available in this build: the grammar engine (llguidance) "
                "has no wheel for this architecture")
-_FORMAT = {"choice": "choice", "grammar": "grammar"}
 
 
 def available() -> bool:
@@ -41,7 +40,7 @@ def grammar_text(spec: GrammarSpec) -> str:
         return _llg.LLMatcher.grammar_from_json_schema(schema, defaults=json_layout(spec.whitespace))
     if spec.kind == "regex":  # \d and \w as ASCII classes, as JSON Schema and xgrammar read them
         return _llg.grammar_from("lark", f"start: /{_llg.regex_to_lark(spec.text, 'dw')}/")
-    return _llg.grammar_from(_FORMAT[spec.kind], spec.text)
+    return _llg.grammar_from(spec.kind, spec.text)  # "choice" (a JSON list), "grammar" (GBNF or Lark)
 
 
 def json_layout(whitespace: str | None) -> dict:

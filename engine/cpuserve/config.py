@@ -40,6 +40,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     seed: int = 0
     served_model_name: str | None = None
+    runner: str = "auto"              # auto | generate | pooling (vLLM's --runner: a causal LM as an embedder)
     binding: object | None = None     # binding.BindingPlan; None = planned from the environment at startup
     # True when neither kv_cache_space nor the environment set it: under a container memory limit
     # the engine then sizes the KV cache to what the limit leaves (ModelRunner), else 4 GiB
@@ -52,6 +53,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.kv_cache_space is None:

@@ -50,7 +50,7 @@ class LLMEngine:
         """Embeddings of an embedding model, in the order given (batched by the core)."""
         if self.task != "embed":
             raise ValueError(f"{self.core.runner.model_dir} is a generative model: embeddings need an "
-                             "embedding model such as all-MiniLM-L6-v2")
+                             "embedding model such as all-MiniLM-L6-v2, or this one with runner='pooling'")
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         for x in ids:  # all checked before any is queued: a refusal leaves nothing behind
             self.core.validate(x)

@@ -1,12 +1,13 @@
 """The engine core of an embedding model: requests wait in arrival order and each step
-encodes as many as fit the token budget (at least one), batched; no KV cache is touched."""
+encodes as many as fit the token budget, `max_num_seqs` and the runner's scratch space (at
+least one), batched; no generation KV cache is touched."""
 from __future__ import annotations
 
 from collections import deque
 
 from cpuserve.config import EngineConfig
 from cpuserve.engine.outputs import CoreStats, EmbeddingOutput
-from cpuserve.worker.pooling_runner import PoolingRunner
+from cpuserve.worker.pooling_runner import pooling_runner
 
 
 class PoolingCore:
@@ -14,7 +15,7 @@ class PoolingCore:
 
     def __init__(self, config: EngineConfig, model_dir=None):
         self.config = config
-        self.runner = PoolingRunner(config, model_dir)
+        self.runner = pooling_runner(config, model_dir)
         self.max_model_len, self.vocab_size = self.runner.max_model_len, self.runner.vocab_size
         self.budget = config.resolve_batched_tokens(self.max_model_len)
         self.waiting: deque[tuple[str, list[int]]] = deque()
@@ -44,7 +45,7 @@ class PoolingCore:
 
     def step(self) -> list[EmbeddingOutput]:
         batch, tokens = [], 0
-        while self.waiting and (not batch or tokens + len(self.waiting[0][1]) <= self.budget):
+        while self.waiting and (not batch or self._room(batch, tokens)):
             rid, ids = self.waiting.popleft()
             batch.append((rid, ids))
             tokens += len(ids)
@@ -52,6 +53,12 @@ class PoolingCore:
         self.stats.steps += 1
         self.stats.prompt_tokens += tokens
         return [EmbeddingOutput(rid, v, len(ids)) for (rid, ids), v in zip(batch, vectors)]
+
+    def _room(self, batch: list[tuple[str, list[int]]], tokens: int) -> bool:
+        """Whether the next waiting request joins this step's batch."""
+        n = len(self.waiting[0][1])
+        return (tokens + n <= self.budget and len(batch) < self.config.max_num_seqs
+                and self.runner.fits([len(ids) for _, ids in batch] + [n]))
 
     def snapshot_stats(self) -> CoreStats:
         s = self.stats
@@ -63,7 +70,7 @@ def make_core(config: EngineConfig):
     """The generation engine core, or the pooling one for an embedding model."""
     from cpuserve.engine.engine_core import EngineCore
     from cpuserve.loading.model_loader import resolve
-    from cpuserve.worker.pooling_runner import is_pooling_model
+    from cpuserve.worker.pooling_runner import runs_pooling
 
     model_dir = resolve(config.model)
-    return PoolingCore(config, model_dir) if is_pooling_model(model_dir) else EngineCore(config)
+    return PoolingCore(config, model_dir) if runs_pooling(config, model_dir) else EngineCore(config)

@@ -35,6 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks, one per NUMA node (see VLLM_CPU_OMP_THREADS_BIND)")
+    p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="pooling: serve a causal LM as an embedding model (last-token pooling); "
+                        "auto: encoders embed, causal LMs generate")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
@@ -42,7 +45,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 kv_cache_space=a.kv_cache_space, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                 enable_prefix_caching=a.enable_prefix_caching, enable_chunked_prefill=a.enable_chunked_prefill,
-                seed=a.seed, tensor_parallel_size=a.tensor_parallel_size)
+                seed=a.seed, tensor_parallel_size=a.tensor_parallel_size, runner=a.runner)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

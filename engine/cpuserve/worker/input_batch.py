@@ -58,11 +58,41 @@ def scoring_inputs(token_ids: list[int], table: list[int], block_size: int) -> t
     n = len(token_ids)
     ctx = ForwardContext(
         positions=torch.arange(n, dtype=torch.int64),
-        slot_mapping=torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)],
-                                  dtype=torch.int64),
+        slot_mapping=_slots(table, n, block_size),
         block_tables=torch.tensor([table], dtype=torch.int32),
         seq_lens=torch.tensor([n], dtype=torch.int32),
         query_start_loc=torch.tensor([0, n], dtype=torch.int32),
         logits_indices=torch.arange(n, dtype=torch.int64),
     )
     return torch.tensor(token_ids, dtype=torch.int64), ctx
+
+
+def blocks_for(lengths: list[int], block_size: int) -> int:
+    """Blocks that whole sequences of these lengths occupy, each starting on a block of its own."""
+    return sum(-(-n // block_size) for n in lengths)
+
+
+def packed_inputs(batch: list[list[int]], block_size: int) -> tuple[torch.Tensor, ForwardContext]:
+    """Whole sequences prefilled together into consecutive blocks from block 0 (a scratch
+    cache), with the logits index of each one's last token."""
+    tables, start = [], 0
+    for ids in batch:
+        n = blocks_for([len(ids)], block_size)
+        tables.append(list(range(start, start + n)))
+        start += n
+    lens = [len(ids) for ids in batch]
+    qsl = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    ctx = ForwardContext(
+        positions=torch.cat([torch.arange(n, dtype=torch.int64) for n in lens]),
+        slot_mapping=torch.cat([_slots(t, n, block_size) for t, n in zip(tables, lens)]),
+        block_tables=block_tables(tables),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        query_start_loc=qsl,
+        logits_indices=qsl[1:].to(torch.int64) - 1,
+    )
+    return torch.tensor([t for ids in batch for t in ids], dtype=torch.int64), ctx
+
+
+def _slots(table: list[int], n: int, block_size: int) -> torch.Tensor:
+    pos = torch.arange(n, dtype=torch.int64)
+    return torch.tensor(table, dtype=torch.int64)[pos // block_size] * block_size + pos % block_size

@@ -20,7 +20,7 @@ from cpuserve.model_executor.models.common import Weights
 from cpuserve.model_executor.parallel import TPGroup
 from cpuserve.platform.isa import resolve_dtype
 from cpuserve.worker import kv_cache
-from cpuserve.worker.input_batch import prepare_inputs, scoring_inputs
+from cpuserve.worker.input_batch import blocks_for, packed_inputs, prepare_inputs, scoring_inputs
 from cpuserve.worker.sampler import Sampler
 
 log = logging.getLogger("cpuserve")
@@ -225,6 +225,21 @@ class ModelRunner:
         table = list(range(self.num_blocks - nblk, self.num_blocks))
         input_ids, ctx = scoring_inputs(token_ids, table, self.block_size)
         return self._run(input_ids, ctx, True)
+
+    @torch.inference_mode()
+    def hidden_states(self, batch: list[list[int]]) -> torch.Tensor:
+        """The final hidden states [tokens, hidden] of whole sequences prefilled together into
+        the cache from block 0 (a pooling runner's scratch cache; one rank)."""
+        if self.ranks is not None:
+            raise ValueError("hidden states are read on one rank: tensor_parallel_size must be 1")
+        if blocks_for([len(ids) for ids in batch], self.block_size) > self.num_blocks:
+            raise ValueError("the batch does not fit the cache")
+        input_ids, ctx = packed_inputs(batch, self.block_size)
+        set_context(ctx)
+        try:
+            return self.model.forward(input_ids, ctx.positions)
+        finally:
+            set_context(None)
 
     def _run(self, input_ids: torch.Tensor, ctx: ForwardContext, want_logits: bool) -> torch.Tensor | None:
         """Rank 0: the step on every rank."""

@@ -1,7 +1,11 @@
-"""The runner of a pooling (embedding) model: an encoder run over whole sequences, no KV
-cache, no sampler; its threads bound as a generation runner's are."""
+"""The runners of an embedding model, no sampler and no generation KV cache:
+- an encoder (BERT) run over whole sequences;
+- a causal LM run as one (vLLM's `--runner pooling`): each batch is prefilled into a scratch
+  cache of its own and pooled, by default from its last token.
+Both bind their threads as a generation runner does."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -12,21 +16,35 @@ from cpuserve.loading.model_loader import load_config, load_state_dict, resolve
 from cpuserve.model_executor.models import model_class
 from cpuserve.model_executor.models.common import Weights
 from cpuserve.model_executor.pooling import Pooling
+from cpuserve.worker.input_batch import blocks_for
 
 log = logging.getLogger("cpuserve")
 
 
 def is_pooling_model(model_dir) -> bool:
+    """An encoder, which only embeds (a causal LM embeds only when asked: `runner="pooling"`)."""
     return bool(getattr(model_class(load_config(model_dir)), "is_pooling", False))
 
 
-class PoolingRunner:
+def runs_pooling(config: EngineConfig, model_dir) -> bool:
+    """Whether this engine embeds (True) or generates (False)."""
+    encoder = is_pooling_model(model_dir)
+    if config.runner == "generate" and encoder:
+        raise ValueError(f"{model_dir} is an embedding model (an encoder): it cannot run with runner='generate'")
+    return encoder or config.runner == "pooling"
+
+
+def pooling_runner(config: EngineConfig, model_dir):
+    if config.tensor_parallel_size != 1:
+        raise ValueError("embedding models run on one rank: tensor_parallel_size must be 1")
+    return EncoderRunner(config, model_dir) if is_pooling_model(model_dir) else DecoderPoolingRunner(config, model_dir)
+
+
+class EncoderRunner:
     def __init__(self, config: EngineConfig, model_dir=None):
         from cpuserve.worker.tp_ranks import start_rank0
 
         t0 = time.perf_counter()
-        if config.tensor_parallel_size != 1:
-            raise ValueError("embedding models run on one rank: tensor_parallel_size must be 1")
         self.config = config
         self.model_dir = model_dir or resolve(config.model)
         self.hf_config = load_config(self.model_dir)
@@ -39,11 +57,13 @@ class PoolingRunner:
         self.pooling = Pooling.from_dir(self.model_dir, decoder=False)
         limits = [self.model.max_positions, self.pooling.max_len, config.max_model_len]
         self.max_model_len = min(n for n in limits if n)
-        self.vocab_size, self.num_blocks = self.model.vocab_size, 0
+        self.vocab_size, self.num_blocks = self.model.vocab_size, 0  # no generation KV cache
         self.load_seconds = time.perf_counter() - t0
-        log.info("embedding model %s: %s pooling%s, up to %d tokens, loaded in %.1fs", self.model_dir,
-                 self.pooling.mode, " + L2 normalization" if self.pooling.normalize else "", self.max_model_len,
-                 self.load_seconds)
+        _log_loaded(self.model_dir, self.pooling, self.max_model_len, self.load_seconds)
+
+    def fits(self, lengths: list[int]) -> bool:
+        """(an encoder keeps no cache: the core's token budget is the only bound)"""
+        return True
 
     @torch.inference_mode()
     def embed(self, batch: list[list[int]]) -> list[list[float]]:
@@ -52,3 +72,43 @@ class PoolingRunner:
 
     def check_ranks(self) -> None:
         """(one rank: nothing to watch)"""
+
+
+class DecoderPoolingRunner:
+    """A causal LM's final hidden states, pooled. The scratch cache holds the longer of one
+    step's token budget and one longest sequence, in 16-token blocks; `fits` tells the
+    core how many sequences one step can take."""
+    BLOCK = 16
+
+    def __init__(self, config: EngineConfig, model_dir):
+        from cpuserve.worker.model_runner import ModelRunner, max_model_len
+
+        t0 = time.perf_counter()
+        longest = max_model_len(load_config(model_dir), config.max_model_len)
+        tokens = max(config.resolve_batched_tokens(longest), longest)
+        scratch = dataclasses.replace(config, block_size=self.BLOCK, enable_prefix_caching=False,
+                                      num_kv_blocks=blocks_for([tokens], self.BLOCK))
+        self.model_dir = model_dir
+        self.runner = ModelRunner(scratch, model_dir=model_dir)
+        self.pooling = Pooling.from_dir(model_dir, decoder=True)
+        self.max_model_len = min(n for n in (longest, self.pooling.max_len) if n)
+        self.vocab_size, self.num_blocks = self.runner.vocab_size, 0  # (its scratch cache is not for generation)
+        self.dtype, self.binding = self.runner.dtype, self.runner.binding
+        self.load_seconds = time.perf_counter() - t0
+        _log_loaded(model_dir, self.pooling, self.max_model_len, self.load_seconds)
+
+    def fits(self, lengths: list[int]) -> bool:
+        return blocks_for(lengths, self.BLOCK) <= self.runner.num_blocks
+
+    @torch.inference_mode()
+    def embed(self, batch: list[list[int]]) -> list[list[float]]:
+        states = self.runner.hidden_states(batch).float()
+        return [v.tolist() for v in self.pooling(states, [len(ids) for ids in batch])]
+
+    def check_ranks(self) -> None:
+        """(one rank: nothing to watch)"""
+
+
+def _log_loaded(model_dir, pooling: Pooling, max_len: int, seconds: float) -> None:
+    log.info("embedding model %s: %s pooling%s, up to %d tokens, loaded in %.1fs", model_dir, pooling.mode,
+             " + L2 normalization" if pooling.normalize else "", max_len, seconds)

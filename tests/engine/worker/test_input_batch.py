@@ -43,3 +43,16 @@ def test_scoring_inputs_take_logits_everywhere():
     assert ctx.slot_mapping.tolist() == [24, 25, 26, 27, 36]
     assert ctx.logits_indices.tolist() == [0, 1, 2, 3, 4]
     assert ctx.query_start_loc.tolist() == [0, 5] and ctx.seq_lens.tolist() == [5]
+
+
+def test_packed_whole_sequences_start_on_blocks_of_their_own():
+    from cpuserve.worker.input_batch import blocks_for, packed_inputs
+    ids, ctx = packed_inputs([[1, 2, 3, 4, 5], [6], [7, 8, 9, 10]], 4)
+    assert ids.tolist() == list(range(1, 11))
+    assert blocks_for([5, 1, 4], 4) == 4
+    assert ctx.block_tables.tolist() == [[0, 1], [2, 0], [3, 0]]
+    assert ctx.positions.tolist() == [0, 1, 2, 3, 4, 0, 0, 1, 2, 3]
+    assert ctx.slot_mapping.tolist() == [0, 1, 2, 3, 4, 8, 12, 13, 14, 15]
+    assert ctx.query_start_loc.tolist() == [0, 5, 6, 10]
+    assert ctx.seq_lens.tolist() == [5, 1, 4]
+    assert ctx.logits_indices.tolist() == [4, 5, 9]   # each sequence's last token

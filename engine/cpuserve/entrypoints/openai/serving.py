@@ -42,8 +42,8 @@ class ServerState:
         served = self.engine.info.task if self.engine.info is not None else task
         if task is not None and served != task:
             what = {"embed": "an embedding model: use POST /v1/embeddings",
-                    "generate": "a generative model: POST /v1/embeddings serves encoder (embedding) models, "
-                                "such as all-MiniLM-L6-v2"}[served]
+                    "generate": "a generative model: POST /v1/embeddings serves embedding models, such as "
+                                "all-MiniLM-L6-v2, or a causal LM started with `--runner pooling`"}[served]
             raise APIError(400, f"`{self.served_model_name}` is {what}", param="model")
 
 

@@ -82,3 +82,17 @@ def test_routes_follow_the_model_task(embed_server, server):
     assert r.status_code == 400 and "/v1/embeddings" in r.json()["error"]["message"]
     r = httpx.post(server.url + "/v1/embeddings", json={"input": "x"})
     assert r.status_code == 400 and "generative" in r.json()["error"]["message"]
+
+
+def test_a_causal_lm_served_with_runner_pooling_embeds_by_its_last_token(hf_model, tokenizer):
+    s = Server("--runner", "pooling", "--max-model-len", "512")
+    try:
+        r = httpx.post(s.url + "/v1/embeddings", json={"input": TEXTS[:2]}, timeout=60).json()
+        for text, d in zip(TEXTS, r["data"]):
+            with torch.no_grad():
+                h = hf_model.model(torch.tensor([tokenizer.encode(text)])).last_hidden_state[0, -1]
+            assert float(torch.dot(torch.nn.functional.normalize(h, dim=0), torch.tensor(d["embedding"]))) > 0.9999
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 400 and "/v1/embeddings" in r.json()["error"]["message"]
+    finally:
+        s.stop()

@@ -51,10 +51,10 @@ def engine_args(spec: ServerSpec) -> list[str]:
 
 
 def engine_env(spec: ServerSpec, p: Placement) -> list[dict]:
-    env = {"VLLM_CPU_KVCACHE_SPACE": f"{spec.kv_cache_gib:g}",
-           # the reference's own defaults, made explicit: none with one rank, one core per rank with several
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0" if spec.ranks == 1 else "1",
-           "CPUSERVE_CACHE": "/var/cache/cpuserve"}
+    # the reference's own defaults, made explicit: none with one rank, one core per rank with several
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0" if spec.ranks == 1 else "1", "CPUSERVE_CACHE": "/var/cache/cpuserve"}
+    if spec.kv_cache_gib is not None:  # else the engine sizes it from the pod's memory limit (and logs how)
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{spec.kv_cache_gib:g}"
     if p.rank_cpus:  # the engine binds itself to its slot (placement.engine_binds says when)
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, cpus)) for cpus in p.rank_cpus)
         env["CPU_VISIBLE_MEMORY_NODES"] = ",".join(map(str, p.slot.numa))

@@ -67,7 +67,7 @@ class ServerSpec:
     served_name: str
     size_gib: float
     dtype: str
-    kv_cache_gib: float
+    kv_cache_gib: float | None     # None: the engine sizes its KV cache from the pod's memory limit
     overhead_gib: float
     max_num_seqs: int
     max_model_len: int | None
@@ -89,6 +89,7 @@ class ServerSpec:
     ingress: dict
     model_path: str = ""           # image://: the model's directory or file inside the image
     model_sha256: str = ""         # http(s)://, s3://: the file's checksum, verified when fetched
+    memory_gib: float | None = None  # the pod's memory as given (None: computed, see pod_memory)
 
     @property
     def ranks(self) -> int:
@@ -96,8 +97,8 @@ class ServerSpec:
 
     def hash(self) -> str:
         """What the pods are built from (not replicas, service or ingress): a change rolls the pods."""
-        keys = ("model_source", "model_path", "model_sha256", "served_name", "size_gib", "dtype", "kv_cache_gib", "overhead_gib", "max_num_seqs",
-                "max_model_len", "extra_args", "strategy", "tp", "reserved_cpus", "pinning", "required_isa",
+        keys = ("model_source", "model_path", "model_sha256", "served_name", "size_gib", "dtype", "kv_cache_gib",
+                "overhead_gib", "memory_gib", "max_num_seqs", "max_model_len", "extra_args", "strategy", "tp", "reserved_cpus", "pinning", "required_isa",
                 "node_selector", "seccomp_type", "seccomp_localhost", "image", "pull_secrets", "pull_policy", "port")
         blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True, default=list)
         return hashlib.sha256(blob.encode()).hexdigest()[:10]
@@ -116,6 +117,10 @@ def engine_image(img: dict, default: str) -> str:
     return f"{repo}:{tag}" if tag else repo
 
 
+def _gib(value) -> float | None:
+    return None if value is None else float(value)
+
+
 def parse_spec(name: str, spec: dict, default_image: str = DEFAULT_ENGINE_IMAGE) -> ServerSpec:
     """The CR's spec with the CRD's defaults filled in (the API server applies them
     too; filling them here keeps the planner usable on partial objects in tests)."""
@@ -124,8 +129,8 @@ def parse_spec(name: str, spec: dict, default_image: str = DEFAULT_ENGINE_IMAGE)
     ing = {"enabled": False, "host": "", "className": "", "path": "/", "tls": False, **spec.get("ingress", {})}
     return ServerSpec(
         name=name, model_source=m.get("source", "packaged://smollm2"), served_name=m.get("servedName", "model"),
-        size_gib=float(m.get("sizeGiB", 1)), dtype=e.get("dtype", "auto"), kv_cache_gib=float(e.get("kvCacheGiB", 4)),
-        overhead_gib=float(e.get("overheadGiB", 1)), max_num_seqs=int(e.get("maxNumSeqs", 128)),
+        size_gib=float(m.get("sizeGiB", 1)), dtype=e.get("dtype", "auto"), kv_cache_gib=_gib(e.get("kvCacheGiB")),
+        overhead_gib=float(e.get("overheadGiB", 1)), memory_gib=_gib(e.get("memoryGiB")), max_num_seqs=int(e.get("maxNumSeqs", 128)),
         max_model_len=e.get("maxModelLen"), extra_args=tuple(e.get("extraArgs", [])),
         strategy=p.get("strategy", "PerNUMANode"), tp=int(p.get("tensorParallelSize", 1)),
         reserved_cpus=int(p.get("reservedCPUs", 1)), pinning=p.get("pinning", "Kubelet"),
@@ -264,13 +269,28 @@ class Plan:
     reason_code: str = ""
 
 
+DEFAULT_KV_GIB = 4.0  # per rank, for sizing a pod whose spec gives neither memoryGiB nor kvCacheGiB (vLLM's)
+
+
 def pod_memory(spec: ServerSpec) -> int:
-    return int((spec.size_gib + spec.kv_cache_gib * spec.ranks + spec.overhead_gib) * GiB)
+    """The pod's memory (request = limit): spec.engine.memoryGiB as given, passed through to the
+    engine, which sizes its KV cache from it; else weights + KV per rank x ranks + overhead."""
+    if spec.memory_gib is not None:
+        return int(spec.memory_gib * GiB)
+    kv = DEFAULT_KV_GIB if spec.kv_cache_gib is None else spec.kv_cache_gib
+    return int((spec.size_gib + kv * spec.ranks + spec.overhead_gib) * GiB)
 
 
 def rank_memory(spec: ServerSpec) -> float:
-    """GiB one rank needs on its NUMA node."""
-    return spec.size_gib / spec.ranks + spec.kv_cache_gib + spec.overhead_gib / spec.ranks
+    """GiB one rank needs on its NUMA node: its share of the pod's memory."""
+    return pod_memory(spec) / GiB / spec.ranks
+
+
+def memory_breakdown(spec: ServerSpec) -> str:
+    if spec.memory_gib is not None:
+        return f"engine.memoryGiB {spec.memory_gib:g} / {spec.ranks} ranks"
+    kv = DEFAULT_KV_GIB if spec.kv_cache_gib is None else spec.kv_cache_gib
+    return f"weights {spec.size_gib:g} GiB / {spec.ranks} + KV {kv:g} GiB + overhead"
 
 
 def eligible(node: Node, spec: ServerSpec) -> str | None:
@@ -375,8 +395,8 @@ def plan(spec: ServerSpec, nodes: list[Node], taken: dict[str, str] | None = Non
     if not missing:
         return Plan(out)
     if too_small and not valid:
-        reason = (f"a rank needs {rank_memory(spec):.1f} GiB on its NUMA node (weights {spec.size_gib:g} GiB / "
-                  f"{spec.ranks} + KV {spec.kv_cache_gib:g} GiB + overhead), but " + "; ".join(too_small[:4]))
+        reason = (f"a rank needs {rank_memory(spec):.1f} GiB on its NUMA node ({memory_breakdown(spec)}), but "
+                  + "; ".join(too_small[:4]))
         return Plan(out, missing, reason, "DoesNotFitNUMANode")
     detail = []
     if ineligible:

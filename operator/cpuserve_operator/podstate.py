@@ -52,8 +52,8 @@ def pod_problem(pod: dict) -> Problem | None:
                 msg = f"last run: {_terminated(last['terminated'])}" + (f"; {msg}" if msg else "")
             return Problem(waiting["reason"], msg)
         if term and term.get("reason") == "OOMKilled":
-            return Problem("OOMKilled", f"container {c.get('name')}: {_terminated(term)}; raise spec.model.sizeGiB "
-                                        "or lower spec.engine.kvCacheGiB")
+            return Problem("OOMKilled", f"container {c.get('name')}: {_terminated(term)}; raise spec.engine.memoryGiB "
+                                        "(or declare the model's real size in spec.model.sizeGiB)")
         if not c.get("ready") and (last.get("terminated") or {}).get("reason") == "OOMKilled":
             return Problem("OOMKilled", f"container {c.get('name')} restarted {c.get('restartCount', 0)} time(s), "
                                         f"last: {_terminated(last['terminated'])}")

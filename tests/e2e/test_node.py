@@ -24,7 +24,8 @@ PROFILE = ROOT / "charts" / "cpuserve" / "files" / "seccomp" / f"numa-{ARCH}.jso
 CR = {
     "apiVersion": "cpuserve.dev/v1alpha1", "kind": "CPUModelServer", "metadata": {"name": NAME, "namespace": NS},
     "spec": {"model": {"source": "packaged://smollm2", "servedName": "smollm2", "sizeGiB": 0.5},
-             "engine": {"kvCacheGiB": 0.25, "overheadGiB": 1, "maxNumSeqs": 8, "maxModelLen": 2048},
+             # the pod's memory passed through: the engine sizes its KV cache from that limit
+             "engine": {"memoryGiB": 1.75, "maxNumSeqs": 8, "maxModelLen": 2048},
              "placement": {"strategy": "PerNUMANode", "reservedCPUs": 1, "pinning": "Kubelet"},
              "replicas": 1,
              "seccompProfile": {"type": "Localhost", "localhostProfile": "cpuserve/numa.json"}},
@@ -166,6 +167,9 @@ def test_memory_binding_is_effective_under_the_agents_profile(node):
     assert topo["memory_binding"]["effective"] is True, topo["memory_binding"]
     logs = node.kubectl("logs", "-n", NS, pod["metadata"]["name"], "-c", "engine").stdout
     assert MEMBIND_WARNING not in logs
+    # the KV cache the 1.75 GiB limit leaves, with the computation in the log
+    line = next((ln for ln in logs.splitlines() if "KV cache" in ln and "memory limit 1.75 GiB" in ln), None)
+    assert line and 0 < float(line.split("KV cache ")[1].split(" GiB")[0]) < 1, logs[-3000:]
 
 
 def test_streamed_chat_and_metrics_through_the_service(node):

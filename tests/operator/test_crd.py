@@ -22,7 +22,7 @@ def test_defaults_columns_and_scale(cluster):
     apply(cluster, "crd-defaults")
     obj = cluster.get("cms", "crd-defaults")
     spec = obj["spec"]
-    assert spec["replicas"] == 1 and spec["engine"]["dtype"] == "auto" and spec["engine"]["kvCacheGiB"] == 4
+    assert spec["replicas"] == 1 and spec["engine"]["dtype"] == "auto" and "kvCacheGiB" not in spec["engine"]
     assert spec["placement"] == {"strategy": "PerNUMANode", "tensorParallelSize": 1, "reservedCPUs": 1,
                                  "pinning": "Kubelet", "requiredISA": []}
     assert spec["seccompProfile"] == {"type": "RuntimeDefault"} and spec["service"]["port"] == 8000

@@ -52,6 +52,25 @@ def test_tensor_parallel_takes_numa_nodes_of_one_machine():
     assert single.placements == [] and single.unplaced == 3
 
 
+def test_memory_is_passed_through_and_the_engine_sizes_the_kv_cache():
+    """engine.memoryGiB is the pod's memory as given, and without kvCacheGiB no KV size is set:
+    the engine sizes it from the limit. Neither given: the pod is sized for vLLM's 4 GiB per rank."""
+    given = spec(engine={"memoryGiB": 2.5})
+    (pl,) = plan(given, [machine("a")]).placements
+    assert pl.memory == int(2.5 * GiB)
+    env = {e["name"]: e["value"] for e in b.build_pod(CR, given, pl)["spec"]["containers"][0]["env"]}
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env
+    both = spec(engine={"memoryGiB": 3, "kvCacheGiB": 1})  # explicit KV: passed on, checked by the engine at start
+    (pl,) = plan(both, [machine("a")]).placements
+    env = {e["name"]: e["value"] for e in b.build_pod(CR, both, pl)["spec"]["containers"][0]["env"]}
+    assert pl.memory == 3 * GiB and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    tp = spec(engine={}, placement__strategy="TensorParallel", placement__tensorParallelSize=2)
+    assert plan(tp, [machine("a")]).placements[0].memory == (1 + 2 * 4 + 1) * GiB
+    assert given.hash() != spec(engine={"memoryGiB": 3}).hash()  # a new size rolls the pods
+    big = plan(spec(engine={"memoryGiB": 100}), [machine("a", mem_gib=32)])
+    assert big.reason_code == "DoesNotFitNUMANode" and "engine.memoryGiB 100 / 1 ranks" in big.reason
+
+
 def test_refuses_what_cannot_fit_a_numa_node():
     p = plan(spec(engine__kvCacheGiB=100), [machine("a", mem_gib=32)])
     assert p.placements == [] and p.reason_code == "DoesNotFitNUMANode"

@@ -102,8 +102,8 @@ def check_fits_container(what: str, need: int, limit: int | None) -> None:
     if limit is not None and need > limit:
         raise MemoryError(
             f"{TOO_LARGE}: {what} need {need / GiB:.2f} GiB, more than this container's memory limit of "
-            f"{limit / GiB:.2f} GiB. Raise the limit (a CPUModelServer's is spec.model.sizeGiB + engine.kvCacheGiB "
-            "+ engine.overheadGiB: declare the model's real size in sizeGiB), or lower VLLM_CPU_KVCACHE_SPACE")
+            f"{limit / GiB:.2f} GiB. Raise the limit (a CPUModelServer's is spec.engine.memoryGiB, else spec.model."
+            "sizeGiB + engine.kvCacheGiB x ranks + engine.overheadGiB), or lower VLLM_CPU_KVCACHE_SPACE")
 
 
 def runtime_reserve(hidden: int, intermediate: int, vocab: int, batched_tokens: int, max_seqs: int) -> int:
@@ -117,20 +117,35 @@ def runtime_reserve(hidden: int, intermediate: int, vocab: int, batched_tokens: 
 
 
 def default_kv_bytes(limit: int | None, used: int, weights: int, reserve: int,
-                     cap: float = DEFAULT_KV_CACHE_GIB) -> tuple[int, str]:
-    """The KV cache when none was asked for: what the container's memory limit leaves after
-    the memory in use, the weights and the runtime reserve, at most `cap` GiB (vLLM's 4).
-    Returns (bytes, how it was computed, for the start-up log)."""
+                     cap: float = DEFAULT_KV_CACHE_GIB, ranks: int = 1) -> tuple[int, str]:
+    """The KV cache per rank when none was asked for: what the container's memory limit leaves
+    after the memory in use, the weights and the runtime reserve (of every rank), shared by
+    the ranks, at most `cap` GiB each (vLLM's 4). Returns (bytes, how it was computed, for
+    the start-up log)."""
     top = int(cap * GiB)
     if limit is None:
         return top, f"{cap:g} GiB (the default; no container memory limit)"
     left = limit - used - weights - reserve
     how = (f"memory limit {limit / GiB:.2f} GiB - in use {used / GiB:.2f} - weights {weights / GiB:.2f} - "
            f"runtime reserve {reserve / GiB:.2f} = {left / GiB:.2f} GiB")
+    if ranks > 1:
+        how += f", / {ranks} ranks = {left / ranks / GiB:.2f} GiB each"
     if left <= 0:
         raise MemoryError(f"{TOO_LARGE}: no memory is left for a KV cache under this container's limit: {how}. "
                           "Raise the memory limit, or use a smaller dtype")
-    return min(left, top), how + (f", capped at {cap:g} GiB" if left > top else "")
+    return min(left // ranks, top), how + (f", capped at {cap:g} GiB" if left // ranks > top else "")
+
+
+def process_baseline() -> int:
+    """This process's own anonymous memory (interpreter, torch, runtime): what each further
+    tensor-parallel rank, the same program, costs before its weights."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def allocate(layers, blocks: int, block_size: int, kv_dtype: torch.dtype) -> torch.Tensor:

@@ -100,8 +100,11 @@ class ModelRunner:
         self.kv_dtype = self.dtype if kv == "auto" else resolve_dtype(kv, None)
         self.block_size = config.block_size
         self.max_model_len = max_model_len(self.hf_config, config.max_model_len)
-        if tp is None:
+        if tp is None:  # rank 0: what the container's memory allows is settled before any rank starts
+            self.memory_limit = self._check_memory()
             tp, binding_report = self._start_rank0()
+        else:
+            self.memory_limit = None  # (rank 0 checked the whole container)
         self.tp, self.binding = tp, binding_report
         try:
             self._load(cls)
@@ -123,37 +126,47 @@ class ModelRunner:
         return tp, report
 
     def _load(self, cls) -> None:
-        """Weights, then the KV cache; rank 0 then waits for the other ranks to be ready. What
-        cannot fit the container's memory limit is refused before it is read or allocated."""
-        limit, used = kv_cache.memory_budget()
-        if self.tp.size == 1:  # (tensor parallel ranks hold a share each: checked against NUMA nodes)
-            weights = weights_in_memory(self.model_dir, self.dtype)
-            if self.config.kv_cache_space_default:
-                self._size_kv_cache(limit, used, weights)
-            kv = int(self.config.kv_cache_space * kv_cache.GiB)
-            kv_cache.check_fits_container(
-                f"the weights ({weights / kv_cache.GiB:.2f} GiB as {str(self.dtype).replace('torch.', '')}) and the "
-                f"KV cache ({kv / kv_cache.GiB:.2f} GiB), on top of the {used / kv_cache.GiB:.2f} GiB in use,",
-                used + weights + kv, limit)
+        """Weights, then the KV cache; rank 0 then waits for the other ranks to be ready."""
         self.model = cls(self.hf_config, Weights(load_state_dict(self.model_dir)), self.dtype, self.tp)
         self.weight_bytes = tensor_bytes(self.model)  # before the KV cache is bound to the layers
-        self.memory_limit = limit
         self.num_blocks, self.kv_cache = self._allocate_kv_cache()
         if self.ranks is not None:
             self.rank_info = self.ranks.wait_ready()
             self.ranks.comm.unlink()  # every rank has attached: nothing is left behind in /dev/shm
+
+    def _check_memory(self) -> int | None:
+        """Rank 0, before anything is read: sizes the KV cache per rank from the container's memory
+        limit when none was given (logged), and refuses what cannot fit the limit: the weights,
+        every rank's KV cache and each further rank's own runtime. Returns the limit."""
+        limit, used = kv_cache.memory_budget()
+        size = self.config.tensor_parallel_size
+        weights = weights_in_memory(self.model_dir, self.dtype)
+        others = (size - 1) * kv_cache.process_baseline() if limit is not None else 0
+        if self.config.kv_cache_space_default:
+            self._size_kv_cache(limit, used + others, weights)
+        # (an exact block count is checked once allocated, when the block's size is known)
+        kv = int(self.config.kv_cache_space * kv_cache.GiB) if self.config.num_kv_blocks is None else 0
+        ranks = f" x {size} ranks" if size > 1 else ""
+        kv_cache.check_fits_container(
+            f"the weights ({weights / kv_cache.GiB:.2f} GiB as {str(self.dtype).replace('torch.', '')}) and the "
+            f"KV cache ({kv / kv_cache.GiB:.2f} GiB{ranks}), on top of the {(used + others) / kv_cache.GiB:.2f} "
+            "GiB in use,", used + others + weights + kv * size, limit)
+        return limit
 
     def _size_kv_cache(self, limit: int | None, used: int, weights: int) -> None:
         """No KV cache size was given: the container's memory limit decides it (logged)."""
         c = self.hf_config
         hidden = c.hidden_size
         ffn = getattr(c, "intermediate_size", None) or getattr(c, "ffn_dim", None) or 4 * hidden
-        reserve = kv_cache.runtime_reserve(hidden, ffn, c.vocab_size,
-                                           self.config.resolve_batched_tokens(self.max_model_len),
-                                           self.config.max_num_seqs)
-        kv, how = kv_cache.default_kv_bytes(limit, used, weights, reserve)
+        size = self.config.tensor_parallel_size
+        reserve = size * kv_cache.runtime_reserve(hidden, ffn, c.vocab_size,
+                                                  self.config.resolve_batched_tokens(self.max_model_len),
+                                                  self.config.max_num_seqs)
+        kv, how = kv_cache.default_kv_bytes(limit, used, weights, reserve, ranks=size)
         self.config.kv_cache_space = kv / kv_cache.GiB
-        log.info("KV cache %.2f GiB: %s (VLLM_CPU_KVCACHE_SPACE sets it)", kv / kv_cache.GiB, how)
+        self.config.kv_cache_space_default = False  # settled: the other ranks receive it as given
+        log.info("KV cache %.2f GiB%s: %s (VLLM_CPU_KVCACHE_SPACE sets it)", kv / kv_cache.GiB,
+                 " per rank" if size > 1 else "", how)
 
     def _allocate_kv_cache(self) -> tuple[int, torch.Tensor]:
         layers = self.model.attention_layers

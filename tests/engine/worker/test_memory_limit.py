@@ -1,6 +1,7 @@
 """A model that cannot fit its container's memory limit is refused with a clear error before
 the kernel OOM-kills the engine: the limit read from the process's own cgroup (v1 or v2),
 and a real run in a memory cgroup too small for the model."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -75,13 +76,7 @@ def test_engine_in_a_cgroup_too_small_for_its_model_says_so(tmp_path):
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
         assert r.returncode == 0 and TOO_LARGE not in r.stderr, r.stderr[-2000:]
     finally:
-        for _ in range(50):
-            try:
-                cg.rmdir()
-                break
-            except OSError:
-                import time
-                time.sleep(0.1)
+        _rmdir_when_empty(cg)
 
 
 def _cgroup_pair(name: str) -> tuple[Path | None, Path | None]:
@@ -95,44 +90,86 @@ def _cgroup_pair(name: str) -> tuple[Path | None, Path | None]:
     return (mem / name if mem.is_dir() else None), (cpu / name if cpu else None)
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or None in _cgroup_pair("x"), reason="needs root and the memory and cpu cgroups")
-def test_engine_sizes_itself_from_its_cgroup():
-    """No KV size given, in a cgroup of 1.6 GiB and one CPU's quota: the KV cache is what the limit
-    leaves (logged with the numbers), not 4 GiB, and the engine runs one thread."""
+@contextlib.contextmanager
+def cgroups(memory: int, cpus: int):
+    """A fresh memory cgroup limited to `memory` bytes and a CPU quota of `cpus` CPUs (one
+    directory with cgroup v2, two with v1); yields the directories a process must join."""
     mem, cpu = _cgroup_pair(f"cpuserve-test-{uuid.uuid4().hex[:8]}")
     made = []
     try:
         for d in dict.fromkeys((mem, cpu)):
             d.mkdir()
             made.append(d)
-        (mem / ("memory.max" if (mem / "memory.max").exists() else "memory.limit_in_bytes")).write_text(str(1600 << 20))
+        (mem / ("memory.max" if (mem / "memory.max").exists() else "memory.limit_in_bytes")).write_text(str(memory))
         if (cpu / "cpu.max").exists():
-            (cpu / "cpu.max").write_text("100000 100000")
+            (cpu / "cpu.max").write_text(f"{cpus * 100000} 100000")
         else:
             (cpu / "cpu.cfs_period_us").write_text("100000")
-            (cpu / "cpu.cfs_quota_us").write_text("100000")
-        env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_KVCACHE_SPACE", "CPUSERVE_KVCACHE_SPACE",
-                                                                  "VLLM_CPU_OMP_THREADS_BIND")}
-        env["PYTHONPATH"] = os.pathsep.join(sys.path)
-        join = "".join(f"open('{d}/cgroup.procs', 'w').write(str(__import__('os').getpid()))\n" for d in made)
-        code = join + "import runpy, sys; sys.argv = ['cpuserve', 'generate', '--prompt', 'Hi', '--max-tokens', '4', " \
-                      "'--dtype', 'float32']; runpy.run_module('cpuserve', run_name='__main__')"
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
-        line = next((ln for ln in r.stderr.splitlines() if "KV cache" in ln and "memory limit 1.56 GiB" in ln), None)
-        assert line, r.stderr[-3000:]
-        kv = float(line.split("KV cache ")[1].split(" GiB")[0])
-        assert 0 < kv < 1.0, line
-        assert "quota of 1 CPUs" in r.stderr and "runs 1 thread" in r.stderr, r.stderr[-3000:]
+            (cpu / "cpu.cfs_quota_us").write_text(str(cpus * 100000))
+        yield made
     finally:
         for d in made:
-            for _ in range(50):
-                try:
-                    d.rmdir()
-                    break
-                except OSError:
-                    import time
-                    time.sleep(0.1)
+            _rmdir_when_empty(d)
+
+
+def _rmdir_when_empty(d: Path) -> None:
+    """A cgroup can be removed once its last process has been reaped (a moment after it exits)."""
+    import time
+    for _ in range(50):
+        try:
+            d.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
+def generate_in(dirs: list[Path], *args: str) -> subprocess.CompletedProcess:
+    """`cpuserve generate` run inside the given cgroups with no KV size or binding given."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_KVCACHE_SPACE", "CPUSERVE_KVCACHE_SPACE",
+                                                              "VLLM_CPU_OMP_THREADS_BIND")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    join = "".join(f"open('{d}/cgroup.procs', 'w').write(str(__import__('os').getpid()))\n" for d in dirs)
+    argv = ["cpuserve", "generate", "--prompt", "Hi", "--max-tokens", "4", "--dtype", "float32", *args]
+    code = join + f"import runpy, sys; sys.argv = {argv!r}; runpy.run_module('cpuserve', run_name='__main__')"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+
+
+def kv_line(stderr: str, limit: str) -> tuple[float, str]:
+    line = next((ln for ln in stderr.splitlines() if "KV cache" in ln and f"memory limit {limit} GiB" in ln), None)
+    assert line, stderr[-3000:]
+    return float(line.split("KV cache ")[1].split(" GiB")[0]), line
+
+
+CGROUPS = pytest.mark.skipif(os.geteuid() != 0 or None in _cgroup_pair("x"),
+                             reason="needs root and the memory and cpu cgroups")
+
+
+@CGROUPS
+def test_engine_sizes_itself_from_its_cgroup():
+    """No KV size given, in a cgroup of 1.6 GiB and one CPU's quota: the KV cache is what the limit
+    leaves (logged with the numbers), not 4 GiB, and the engine runs one thread."""
+    with cgroups(1600 << 20, 1) as dirs:
+        r = generate_in(dirs)
+    assert r.returncode == 0, r.stderr[-3000:]
+    kv, line = kv_line(r.stderr, "1.56")
+    assert 0 < kv < 1.0, line
+    assert "quota of 1 CPUs" in r.stderr and "runs 1 thread" in r.stderr, r.stderr[-3000:]
+
+
+@CGROUPS
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_tensor_parallel_ranks_share_the_limit():
+    """Two ranks in one 2.5 GiB cgroup: each gets half of what the limit leaves after the weights,
+    both ranks' runtime and rank 1's own process; and an explicit KV size that cannot fit
+    two ranks is refused at start with the numbers."""
+    with cgroups(2560 << 20, 2) as dirs:
+        r = generate_in(dirs, "-tp", "2")
+        refused = generate_in(dirs, "-tp", "2", "--kv-cache-space", "1.5")
+    assert r.returncode == 0, r.stderr[-3000:]
+    kv, line = kv_line(r.stderr, "2.50")
+    assert "/ 2 ranks" in line and "per rank" in line and 0 < kv < 1.0, line
+    assert refused.returncode == 1 and TOO_LARGE in refused.stderr, refused.stderr[-3000:]
+    assert "KV cache (1.50 GiB x 2 ranks)" in refused.stderr, refused.stderr[-3000:]
 
 
 def test_default_kv_cache_from_the_limit():
@@ -146,3 +183,11 @@ def test_default_kv_cache_from_the_limit():
         default_kv_bytes(GiB, GiB // 2, GiB // 2, 1)
     small, big = runtime_reserve(576, 1536, 49152, 512, 8), runtime_reserve(576, 1536, 49152, 2048, 256)
     assert (256 << 20) < small < big < GiB
+
+
+def test_default_kv_cache_is_shared_by_the_ranks():
+    from cpuserve.worker.kv_cache import default_kv_bytes
+    GiB = 1 << 30
+    kv, how = default_kv_bytes(4 * GiB, GiB // 2, GiB // 2, GiB, ranks=2)
+    assert kv == GiB and how.endswith("= 2.00 GiB, / 2 ranks = 1.00 GiB each")
+    assert default_kv_bytes(None, 0, 0, 0, ranks=2)[0] == 4 * GiB  # no limit: vLLM's 4 GiB per rank

@@ -32,13 +32,12 @@ def fuzz_server():
     s.stop()
 
 
-def test_no_input_produces_a_server_error(fuzz_server):
-    server = fuzz_server
+def fuzz(server, paths: set[str] | None = None) -> None:
+    """Every operation (or those of `paths`) with valid inputs, and every POST with invalid ones:
+    no 5xx, and the server still healthy."""
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
-    operations = [r.ok() for r in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+    operations = [op for op in (r.ok() for r in schema.get_all_operations()) if paths is None or op.path in paths]
     failures = []
-    # valid inputs everywhere, invalid ones wherever there is an input to break
     cases = [(op, GenerationMode.POSITIVE) for op in operations] + \
         [(op, GenerationMode.NEGATIVE) for op in operations if op.method.upper() == "POST"]
     for op, mode in cases:
@@ -53,3 +52,31 @@ def test_no_input_produces_a_server_error(fuzz_server):
             assert response.status_code < 500, failures[-1]
         run()
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def request_fields(spec: dict, path: str) -> set[str]:
+    ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    return set(spec["components"]["schemas"][ref.rsplit("/", 1)[1]]["properties"])
+
+
+def test_no_input_produces_a_server_error(fuzz_server):
+    spec = httpx.get(fuzz_server.url + "/openapi.json").json()
+    assert set(spec["paths"]) >= {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize",
+                                  "/detokenize"}
+    structured = {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern",
+                  "structured_outputs", "response_format"}
+    assert request_fields(spec, "/v1/completions") >= structured  # what the generated requests exercise
+    assert request_fields(spec, "/v1/chat/completions") >= structured | {"tools", "tool_choice",
+                                                                          "parallel_tool_calls"}
+    assert request_fields(spec, "/v1/embeddings") >= {"input", "encoding_format", "dimensions", "model"}
+    fuzz(fuzz_server)
+
+
+def test_the_embedding_route_of_an_embedding_model(fuzz_server):
+    """(on the generative server above /v1/embeddings only refuses: here it embeds)"""
+    from cpuserve.loading.model_loader import PACKAGED_EMBEDDER
+    s = Server(PACKAGED_EMBEDDER)
+    try:
+        fuzz(s, {"/v1/embeddings"})
+    finally:
+        s.stop()

@@ -31,6 +31,9 @@ BACKOFF_BASE_S, BACKOFF_MAX_S = 5.0, 300.0
 NODE_LOST_GRACE_S = float(os.environ.get("CPUSERVE_NODE_LOST_GRACE", "300"))
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
+# servers reconcile concurrently (kopf's thread pool): reading which NUMA slots are taken and
+# creating the pods that take more is one step, or two servers' pods land on one slot
+_PLACEMENT = threading.Lock()
 _locks_guard = threading.Lock()
 # replica -> (failures, time of the last one): replacements wait BACKOFF_BASE_S * 2**(failures-1)
 _backoff: dict[tuple[str, str, int], tuple[int, float]] = {}
@@ -158,16 +161,36 @@ def _reconcile(ns: str, name: str, api: client.ApiClient) -> None:
     nrts = _node_resource_topologies(custom)
     nodes = [node_from_api(n, nrts.get(k)) for k, n in nodes_raw.items()]
     grace_nodes = {k for k, n in nodes_raw.items() if 0 < node_lost_for(n, time.time()) < NODE_LOST_GRACE_S}
-    all_pods = core.list_pod_for_all_namespaces(label_selector=b.L_SERVER).items
+    ps = _Pass(api, cr)
+    with _PLACEMENT:  # the slots other servers' pods hold are read and taken in one step
+        result, current = _place(ps, spec, want_hash, nodes, nodes_raw, grace_nodes)
+    failures = _failures.setdefault((ns, name), {})
+    cur_by_index = {int(p.metadata.labels[b.L_REPLICA]): p for p in current}
+    for idx, p in cur_by_index.items():
+        if _pod_ready(p):
+            failures.pop(idx, None)
+            _backoff.pop((ns, name, idx), None)
+    for idx in [i for i in failures if i >= spec.replicas]:
+        failures.pop(idx)
+    ps.forget_resolved()
+    _apply_service(core, ns, b.build_service(cr, spec))
+    _apply_ingress(net, ns, spec.name, b.build_ingress(cr, spec))
+    _write_status(custom, ns, name, cr, spec, core, result, [failures[i] for i in sorted(failures)], ps.problems)
+
+
+def _place(ps: _Pass, spec, want_hash: str, nodes: list, nodes_raw: dict, grace_nodes: set) -> tuple[Plan, list]:
+    """Triage of the server's pods, the plan against the slots every other server's pods hold,
+    and the pods created or deleted by it (run under _PLACEMENT). Returns (plan, current pods)."""
+    all_pods = ps.core.list_pod_for_all_namespaces(label_selector=b.L_SERVER).items
     taken = {p.metadata.annotations.get(b.A_SLOT): f"{p.metadata.namespace}/{p.metadata.labels[b.L_SERVER]}"
              for p in all_pods if p.metadata.annotations and p.metadata.deletion_timestamp is None
-             and not (p.metadata.namespace == ns and p.metadata.labels.get(b.L_SERVER) == name)}
+             and not (p.metadata.namespace == ps.ns and p.metadata.labels.get(b.L_SERVER) == ps.name)}
     taken = {k: v for k, v in taken.items() if k}
-    pods = [p for p in all_pods if p.metadata.namespace == ns and p.metadata.labels.get(b.L_SERVER) == name]
-    ps = _Pass(api, cr)
+    pods = [p for p in all_pods if p.metadata.namespace == ps.ns and p.metadata.labels.get(b.L_SERVER) == ps.name]
     alive = ps.triage(pods, nodes_raw)
     current = [p for p in alive if p.metadata.labels.get(b.L_HASH) == want_hash]
     old = [p for p in alive if p.metadata.labels.get(b.L_HASH) != want_hash]
+
     def slots_of(group) -> dict[int, Slot]:
         out: dict[int, Slot] = {}
         for p in group:
@@ -189,18 +212,7 @@ def _reconcile(ns: str, name: str, api: client.ApiClient) -> None:
     if result.unplaced:
         ps.event("Warning", result.reason_code, result.reason, once=(-1, result.reason_code))
     _roll(ps, spec, alive, current, old, result, surge)
-    failures = _failures.setdefault((ns, name), {})
-    cur_by_index = {int(p.metadata.labels[b.L_REPLICA]): p for p in current}
-    for idx, p in cur_by_index.items():
-        if _pod_ready(p):
-            failures.pop(idx, None)
-            _backoff.pop((ns, name, idx), None)
-    for idx in [i for i in failures if i >= spec.replicas]:
-        failures.pop(idx)
-    ps.forget_resolved()
-    _apply_service(core, ns, b.build_service(cr, spec))
-    _apply_ingress(net, ns, spec.name, b.build_ingress(cr, spec))
-    _write_status(custom, ns, name, cr, spec, core, result, [failures[i] for i in sorted(failures)], ps.problems)
+    return result, current
 
 
 def _model_claim(ps: _Pass, spec) -> tuple[bool, str | None]:

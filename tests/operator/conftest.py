@@ -64,13 +64,18 @@ def wait_for(check, timeout: float, what: str, interval: float = 0.2):
 
 
 class ControlPlane:
-    def __init__(self, assets: Path, crds: list[Path] = ()):
+    """`apiserver_args` are added to kube-apiserver's; each of `users` gets a token of its own
+    (in system:masters) and a kubeconfig (`kubeconfig_for`), so that its requests can be told
+    apart, e.g. in an audit log."""
+
+    def __init__(self, assets: Path, crds: list[Path] = (), apiserver_args: list[str] = (), users: tuple = ()):
         self.assets = assets
         self.dir = Path(tempfile.mkdtemp(prefix="cpuserve-envtest-"))
         self.procs: list[subprocess.Popen] = []
         self.logs: dict[str, Path] = {}
         token = os.urandom(16).hex()
-        (self.dir / "tokens.csv").write_text(f'{token},admin,admin,"system:masters"\n')
+        self.tokens = {"admin": token, **{u: os.urandom(16).hex() for u in users}}
+        (self.dir / "tokens.csv").write_text("".join(f'{t},{u},{u},"system:masters"\n' for u, t in self.tokens.items()))
         subprocess.run(["openssl", "genrsa", "-out", str(self.dir / "sa.key"), "2048"], check=True,
                        capture_output=True)
         subprocess.run(["openssl", "rsa", "-in", str(self.dir / "sa.key"), "-pubout", "-out",
@@ -83,6 +88,7 @@ class ControlPlane:
                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
                             "--initial-cluster", f"default=http://127.0.0.1:{peer_port}",
                             "--unsafe-no-fsync"])
+        self.etcd = f"http://127.0.0.1:{etcd_port}"
         self.start("kube-apiserver", [
             str(assets / "kube-apiserver"), "--etcd-servers", f"http://127.0.0.1:{etcd_port}",
             "--bind-address", "127.0.0.1", "--secure-port", str(api_port), "--cert-dir", str(self.dir / "certs"),
@@ -91,17 +97,10 @@ class ControlPlane:
             "--service-account-key-file", str(self.dir / "sa.pub"),
             "--service-account-signing-key-file", str(self.dir / "sa.key"),
             "--service-cluster-ip-range", "10.96.0.0/16", "--disable-admission-plugins", "ServiceAccount",
-            "--allow-privileged=true"])
+            "--allow-privileged=true", *apiserver_args])
         self.server = f"https://127.0.0.1:{api_port}"
-        self.kubeconfig = self.dir / "kubeconfig"
-        self.kubeconfig.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "envtest",
-            "clusters": [{"name": "envtest", "cluster": {"server": self.server, "insecure-skip-tls-verify": True}}],
-            "users": [{"name": "admin", "user": {"token": token}}],
-            "contexts": [{"name": "envtest", "context": {"cluster": "envtest", "user": "admin",
-                                                        "namespace": "default"}}]}))
-        self.wait_ready(lambda: self.kubectl("get", "--raw", "/readyz", check=False).returncode == 0,
-                        "kube-apiserver ready")
+        self.kubeconfig = self.kubeconfig_for("admin")
+        self.wait_apiserver()
         # CRDs before the controller manager: its garbage collector then watches them from its
         # first discovery instead of picking them up on a later resync.
         for crd in crds:
@@ -114,6 +113,38 @@ class ControlPlane:
             "--service-account-private-key-file", str(self.dir / "sa.key"), "--leader-elect=false",
             "--bind-address", "127.0.0.1", "--secure-port", str(free_port())])
         self.version = json.loads(self.kubectl("version", "-o", "json").stdout)["serverVersion"]["gitVersion"]
+
+    def kubeconfig_for(self, user: str) -> Path:
+        path = self.dir / ("kubeconfig" if user == "admin" else f"kubeconfig-{user}")
+        path.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "envtest",
+            "clusters": [{"name": "envtest", "cluster": {"server": self.server, "insecure-skip-tls-verify": True}}],
+            "users": [{"name": user, "user": {"token": self.tokens[user]}}],
+            "contexts": [{"name": "envtest", "context": {"cluster": "envtest", "user": user,
+                                                        "namespace": "default"}}]}))
+        return path
+
+    def wait_apiserver(self) -> None:
+        self.wait_ready(lambda: self.kubectl("get", "--raw", "/readyz", check=False).returncode == 0,
+                        "kube-apiserver ready")
+
+    def restart_apiserver(self, down_s: float) -> None:
+        """Stops kube-apiserver, keeps it down for about `down_s` seconds (at least its shutdown),
+        starts it again as it was."""
+        names = list(self.logs)
+        i = names.index("kube-apiserver")
+        old = self.procs[i]
+        t0 = time.monotonic()
+        old.terminate()
+        try:
+            old.wait(10)  # (it drains long-running requests first: watches hold it past its port's close)
+        except subprocess.TimeoutExpired:
+            old.kill()
+            old.wait()
+        time.sleep(max(0.0, down_s - (time.monotonic() - t0)))
+        with self.logs["kube-apiserver"].open("a") as log:
+            self.procs[i] = subprocess.Popen(old.args, stdout=log, stderr=subprocess.STDOUT)
+        self.wait_apiserver()
 
     def wait_ready(self, check, what: str, timeout: float = 180) -> None:
         def alive_and(check=check):

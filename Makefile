@@ -25,7 +25,7 @@ ENVTEST_K8S := 1.36.3
 KUBEBUILDER_ASSETS ?= $(HOME)/.cache/cpuserve-envtest/$(ENVTEST_K8S)/bin
 export KUBEBUILDER_ASSETS
 
-.PHONY: install install-operator host-deps docs soak run test test-python test-operator envtest test-kernels-cpp e2e e2e-bin \
+.PHONY: install install-operator host-deps docs soak fuzz run test test-python test-operator envtest test-kernels-cpp e2e e2e-bin \
         test-kernels-cross images test-images bench clean
 
 install: $(STAMP)
@@ -138,6 +138,11 @@ bench: install
 SOAK_MINUTES ?= 20
 soak: install
 	$(PY) -m tests.engine.entrypoints.openai.soak --minutes $(SOAK_MINUTES) --out docs/reliability/soak.json
+
+# The fuzzing suite ten times deeper than `make test` runs it: 200 examples per operation and
+# 200 chained scenarios along the OpenAPI links.
+fuzz: install
+	CPUSERVE_FUZZ_EXAMPLES=200 $(PY) -m pytest tests/engine/entrypoints/openai/test_fuzz_openapi.py -q -s
 
 # The architecture pictures (Graphviz: apt-get install graphviz).
 docs: docs/architecture/request.svg docs/architecture/operator.svg

@@ -1,8 +1,13 @@
 """Property-based fuzzing of the served OpenAPI schema: schemathesis turns every
 operation of /openapi.json into a hypothesis strategy of requests, valid and
-invalid; no generated input may produce a 5xx or take the server down.
-Generation lengths are clamped so every example stays short (their validation
-is tested in test_errors_and_lifecycle.py)."""
+invalid, and chains calls along the schema's links (token ids from /tokenize into
+/v1/completions, generated text back into /tokenize, ...); no input and no sequence may
+produce a 5xx or take the server down. Generation lengths are clamped so every example
+stays short (their validation is tested in test_errors_and_lifecycle.py).
+`make fuzz` runs the same with CPUSERVE_FUZZ_EXAMPLES=200 (20 here)."""
+import collections
+import os
+
 import httpx
 import pytest
 import schemathesis
@@ -11,6 +16,7 @@ from schemathesis import GenerationMode
 
 from tests.engine.entrypoints.openai.conftest import Server
 
+EXAMPLES = int(os.environ.get("CPUSERVE_FUZZ_EXAMPLES", "20"))
 CLAMP = {"max_tokens": 3, "max_completion_tokens": 3, "n": 2, "min_tokens": 3, "top_logprobs": 3, "logprobs": 3}
 
 
@@ -42,7 +48,7 @@ def fuzz(server, paths: set[str] | None = None) -> None:
         [(op, GenerationMode.NEGATIVE) for op in operations if op.method.upper() == "POST"]
     for op, mode in cases:
         @given(case=op.as_strategy(generation_mode=mode))
-        @settings(max_examples=20, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         def run(case):
             _clamp(case.body, op.path)
             response = case.call(base_url=server.url, timeout=120)
@@ -80,3 +86,38 @@ def test_the_embedding_route_of_an_embedding_model(fuzz_server):
         fuzz(s, {"/v1/embeddings"})
     finally:
         s.stop()
+
+
+def stateful(server, examples: int, steps: int) -> collections.Counter:
+    """Scenarios of up to `steps` calls chained along the links; returns how often each
+    (operation, status) and each followed link (operation -> operation) occurred."""
+    seen: collections.Counter = collections.Counter()
+    failures: list[str] = []
+
+    class Machine(schemathesis.openapi.from_url(server.url + "/openapi.json").as_state_machine()):
+        def setup(self):
+            self.last = None
+
+        def before_call(self, case):
+            _clamp(case.body, case.path)
+
+        def validate_response(self, response, case, **kwargs):
+            seen[(case.path, response.status_code)] += 1
+            if self.last is not None:
+                seen[(self.last, "->", case.path)] += 1
+            self.last = case.path
+            if response.status_code >= 500:
+                failures.append(f"{case.path} body={case.body!r} -> {response.status_code}: {response.text[:300]}")
+            assert response.status_code < 500, failures[-1]
+
+    Machine.run(settings=settings(max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
+                                  suppress_health_check=list(HealthCheck)))
+    return seen
+
+
+def test_chained_calls_along_the_links(fuzz_server):
+    seen = stateful(fuzz_server, EXAMPLES, 6)
+    print(dict(seen))
+    followed = {k for k in seen if len(k) == 3}
+    assert ("/tokenize", "->", "/detokenize") in followed or ("/tokenize", "->", "/v1/completions") in followed, seen
+    assert seen[("/tokenize", 200)] > 0 and httpx.get(fuzz_server.url + "/health").status_code == 200

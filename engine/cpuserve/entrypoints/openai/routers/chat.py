@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 
 from cpuserve.core.sampling_params import SamplingParams
 from cpuserve.engine.outputs import RequestOutput
+from cpuserve.entrypoints.openai import links
 from cpuserve.entrypoints.openai import tools as tl
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import ChatCompletionRequest, now, usage
@@ -17,7 +18,7 @@ from cpuserve.entrypoints.openai.streaming import DeltaTracker, sse
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", operation_id="chat_completions", responses=links.responses("chat_completions"))
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     st = server_state(request)
     st.check_model(req.model)

@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request
 
 from cpuserve.core.sampling_params import SamplingParams
 from cpuserve.engine.outputs import RequestOutput
+from cpuserve.entrypoints.openai import links
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import CompletionRequest, now, usage
 from cpuserve.entrypoints.openai.serving import ServerState, constraint, generate, sampling_params, server_state
@@ -15,7 +16,7 @@ from cpuserve.entrypoints.openai.streaming import DeltaTracker, sse
 router = APIRouter()
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", operation_id="completions", responses=links.responses("completions"))
 async def completions(req: CompletionRequest, request: Request):
     st = server_state(request)
     st.check_model(req.model)

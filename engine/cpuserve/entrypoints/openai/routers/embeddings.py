@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from pydantic import Field
 
 from cpuserve.engine.async_engine import EngineDeadError, Overloaded, RequestRejected
+from cpuserve.entrypoints.openai import links
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import RequestBody
 from cpuserve.entrypoints.openai.serving import api_error, server_state
@@ -31,7 +32,7 @@ class EmbeddingRequest(RequestBody):
     user: str | None = None
 
 
-@router.post("/v1/embeddings")
+@router.post("/v1/embeddings", operation_id="embeddings", responses=links.responses("embeddings"))
 async def embeddings(req: EmbeddingRequest, request: Request):
     st = server_state(request)
     st.check_model(req.model, task="embed")

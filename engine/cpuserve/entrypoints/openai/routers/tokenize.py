@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from cpuserve.entrypoints.openai import links
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from cpuserve.entrypoints.openai.serving import server_state
@@ -10,7 +11,7 @@ from cpuserve.entrypoints.openai.serving import server_state
 router = APIRouter()
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", operation_id="tokenize", responses=links.responses("tokenize"))
 async def tokenize(req: TokenizeRequest, request: Request):
     st = server_state(request)
     st.check_model(req.model, task=None)
@@ -26,7 +27,7 @@ async def tokenize(req: TokenizeRequest, request: Request):
     return {"tokens": ids, "count": len(ids), "max_model_len": st.engine.info.max_model_len}
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", operation_id="detokenize", responses=links.responses("detokenize"))
 async def detokenize(req: DetokenizeRequest, request: Request):
     st = server_state(request)
     st.check_model(req.model, task=None)

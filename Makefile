@@ -133,6 +133,7 @@ bench: install
 	$(PY) benchmarks/serving.py
 	$(PY) benchmarks/tensor_parallel.py
 	$(PY) benchmarks/structured_output.py
+	$(PY) benchmarks/roofline.py
 
 # The soak drill: 20 minutes of mixed traffic at twice the sustainable rate (CI runs 2 minutes of it).
 SOAK_MINUTES ?= 20

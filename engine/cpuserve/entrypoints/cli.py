@@ -183,6 +183,16 @@ def format_topology(topo, membind: bool, why: str) -> str:
     return "\n".join(lines)
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    import json
+
+    from cpuserve.entrypoints import bench
+
+    r = bench.run(tuple(a.dtype or ("float32", "bfloat16")), a.batch, a.tokens)
+    print(json.dumps(r, indent=1) if a.json else bench.format_report(r, a.batch))
+    return 0
+
+
 def cmd_fetch(a: argparse.Namespace) -> int:
     from cpuserve.loading.fetch import fetch
 
@@ -229,6 +239,13 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="plan the binding for this many ranks")
     t.add_argument("--root", default=None, help=argparse.SUPPRESS)  # a recorded /sys + /proc tree (tests)
     t.set_defaults(func=cmd_topology)
+    bn = sub.add_parser("bench", help="this machine's roofline (bandwidth, GEMM peaks) and where the default "
+                                      "model's decode sits on it, with the profile of a decode step")
+    bn.add_argument("--dtype", action="append", choices=["float32", "bfloat16"], help="repeatable (default: both)")
+    bn.add_argument("--batch", type=int, default=64, help="the large batch measured (default 64)")
+    bn.add_argument("--tokens", type=int, default=32, help="decode steps measured per batch size")
+    bn.add_argument("--json", action="store_true", help="machine-readable output")
+    bn.set_defaults(func=cmd_bench)
     f = sub.add_parser("fetch", help="download a model file (http(s):// or s3://) and verify its SHA-256")
     f.add_argument("source")
     f.add_argument("--sha256", required=True, help="the file's SHA-256 (hex): nothing unverified is kept")

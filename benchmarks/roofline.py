@@ -1,0 +1,40 @@
+"""`make bench`, roofline part: this machine's read bandwidth and GEMM peaks, where the default
+model's decode sits against them (batch 1: the bandwidth bound; 64 sequences: the compute
+bound), and the profile of a decode step. Writes docs/bench/roofline.{md,json}; the same
+report is `cpuserve bench` on a user's own machine."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "docs" / "bench"
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+def main() -> None:
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from cpuserve.entrypoints import bench
+    from cpuserve.model_executor.ops import KERNELS
+
+    r = bench.run(batch=64, tokens=32)
+    r.update(cpu=cpu_name(), cores=os.cpu_count(), isa=KERNELS.isa)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "roofline.json").write_text(json.dumps(r, indent=1) + "\n")
+    md = (f"# Roofline and decode-step profile (`make bench`, or `cpuserve bench` on your machine)\n\n"
+          f"Machine: {r['cpu']}, {r['cores']} CPUs, kernels: {r['isa']}. Default model (SmolLM2-135M).\n\n"
+          "```\n" + bench.format_report(r) + "\n```\n")
+    (OUT / "roofline.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

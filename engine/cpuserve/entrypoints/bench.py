@@ -1,0 +1,200 @@
+"""`cpuserve bench`: where a model sits on this machine's roofline, and where a decode step's
+time goes.
+
+- The machine: read bandwidth (a multi-threaded sum over 1 GiB), and GEMM GFLOP/s: torch's on
+  2048^3 and this engine's kernel on the model's own shape ([64, hidden] x [hidden, ffn]), in
+  float32 and with bfloat16 weights.
+- The bounds: batch-1 decode streams every weight once per token, so it takes at least
+  weight bytes / bandwidth; a large batch is bounded by 2 x params FLOPs per token at the GEMM
+  peak. Measured decode (batch 1, and 64 sequences) as a fraction of each bound.
+- The profile of one decode step at batch 1 and 64: GEMMs, attention, each other kernel
+  (norms, rotary, activation, cache writes), the sampler, and the rest (Python, scheduling,
+  input preparation), from timers around each kernel call.
+
+The bound arithmetic is pure (`bounds`); the rest measures."""
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Machine:
+    threads: int
+    read_gbs: float                 # GB/s
+    torch_gflops: dict              # dtype name -> GFLOP/s, torch.mm at 2048^3
+    kernel_gflops: dict             # dtype name -> GFLOP/s, ops.linear on the model's shape
+
+
+def bounds(weight_bytes: int, params: int, read_gbs: float, gflops: float) -> dict:
+    """Batch-1 ms per token at the bandwidth bound; tokens/s at the compute bound."""
+    return {"batch1_ms": weight_bytes / (read_gbs * GB) * 1e3, "compute_tok_s": gflops * GB / (2 * params)}
+
+
+def _best(fn, repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    return x.numel() * 4 / _best(lambda: x.sum(), repeats) / GB
+
+
+def torch_gemm_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return 2 * n ** 3 / _best(lambda: torch.mm(a, b), repeats) / GB
+
+
+def kernel_gflops(dtype: torch.dtype, m: int, k: int, n: int, repeats: int = 20) -> float:
+    from cpuserve.model_executor import ops
+
+    w, x = ops.PackedWeight(torch.randn(n, k).to(dtype)), torch.randn(m, k)
+    out = torch.empty(m, n)
+    return 2 * m * n * k / _best(lambda: ops.linear(x, w, out=out), repeats) / GB
+
+
+def measure_machine(hidden: int, ffn: int) -> Machine:
+    kinds = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    return Machine(torch.get_num_threads(), read_bandwidth(),
+                   {k: torch_gemm_gflops(d) for k, d in kinds.items()},
+                   {k: kernel_gflops(d, 64, hidden, ffn) for k, d in kinds.items()})
+
+
+# -- the engine ---------------------------------------------------------------------------------
+CATEGORIES = {"linear": "GEMM", "paged_attention": "attention"}
+
+
+class StepProfile:
+    """Seconds per decode step by category, from timers wrapped around the kernel calls and
+    the sampler (installed for the duration of a `with`)."""
+
+    def __init__(self):
+        self.spent: collections.Counter = collections.Counter()
+        self._undo: list = []
+
+    def __enter__(self):
+        from cpuserve.model_executor import ops
+        from cpuserve.worker import sampler
+
+        for name in ("linear", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul",
+                     "gelu_and_mul", "reshape_and_cache"):
+            self._wrap(ops, name, CATEGORIES.get(name, name))
+        self._wrap(sampler.Sampler, "__call__", "sampler")
+        return self
+
+    def _wrap(self, owner, name: str, category: str) -> None:
+        original = getattr(owner, name)
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return original(*a, **kw)
+            finally:
+                self.spent[category] += time.perf_counter() - t0
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, original))
+
+    def __exit__(self, *exc):
+        for owner, name, original in reversed(self._undo):
+            setattr(owner, name, original)
+
+
+def decode_steps(llm, batch: int, tokens: int, prompt_len: int = 16) -> tuple[float, dict]:
+    """Median seconds of a decode step with `batch` sequences, and its profile (seconds per step
+    by category, 'Python and scheduling' the remainder)."""
+    from cpuserve import SamplingParams
+
+    core = llm.engine.core
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    for i in range(batch):
+        core.add_request(f"bench-{batch}-{i}", [1 + (i * 7 + j) % 1000 for j in range(prompt_len)], params)
+    core.step()  # the prefill
+    steps = []
+    with StepProfile() as prof:
+        while core.has_unfinished():
+            t0 = time.perf_counter()
+            core.step()
+            steps.append(time.perf_counter() - t0)
+    total = sum(steps)
+    share = {k: v / len(steps) for k, v in prof.spent.items()}
+    share["Python and scheduling"] = max(0.0, total / len(steps) - sum(share.values()))
+    return sorted(steps)[len(steps) // 2], share
+
+
+def model_size(llm) -> tuple[int, int]:
+    """(bytes a decode step reads from the weights, parameters multiplied per token): every
+    packed linear weight, the LM head included, not the embedding table (one row a token)."""
+    from cpuserve.model_executor import ops
+    from cpuserve.worker.model_runner import tensor_bytes
+
+    model = llm.engine.runner.model
+    packed, seen, stack = [], set(), [model]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, torch.Tensor):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, ops.PackedWeight):
+            packed.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+    return sum(tensor_bytes(w.data) for w in packed), sum(w.n * w.k for w in packed)
+
+
+def run(dtypes=("float32", "bfloat16"), batch: int = 64, tokens: int = 32) -> dict:
+    from cpuserve import LLM
+
+    out: dict = {"engines": {}}
+    machine = None
+    for dtype in dtypes:
+        llm = LLM(dtype=dtype, kv_cache_space=1.0)
+        c = llm.engine.runner.hf_config
+        if machine is None:
+            machine = measure_machine(c.hidden_size, c.intermediate_size)
+            out["machine"] = asdict(machine)
+        weight_bytes, params = model_size(llm)
+        one, one_profile = decode_steps(llm, 1, tokens)
+        big, big_profile = decode_steps(llm, batch, tokens)
+        b = bounds(weight_bytes, params, machine.read_gbs, machine.kernel_gflops[dtype])
+        peak = max(machine.kernel_gflops[dtype], machine.torch_gflops["float32"])
+        out["engines"][dtype] = {
+            "weight_bytes": weight_bytes, "params": params, "batch1_ms": one * 1e3, "batch1_bound_ms": b["batch1_ms"],
+            "batch1_of_bound": b["batch1_ms"] / (one * 1e3), f"batch{batch}_tok_s": batch / big,
+            f"batch{batch}_gflops": 2 * params * batch / big / GB,
+            f"batch{batch}_of_kernel_peak": 2 * params * batch / big / GB / machine.kernel_gflops[dtype],
+            f"batch{batch}_of_best_peak": 2 * params * batch / big / GB / peak,
+            "profile": {"1": one_profile, str(batch): big_profile}}
+        del llm
+    return out
+
+
+def format_report(r: dict, batch: int = 64) -> str:
+    m = r["machine"]
+    lines = [f"machine: {m['threads']} threads, read bandwidth {m['read_gbs']:.1f} GB/s; GEMM GFLOP/s: torch 2048^3 "
+             + ", ".join(f"{k} {v:.0f}" for k, v in m["torch_gflops"].items()) + "; cpuserve kernel [64 x hidden] x "
+             "[hidden x ffn] " + ", ".join(f"{k} {v:.0f}" for k, v in m["kernel_gflops"].items()), ""]
+    for dtype, e in r["engines"].items():
+        lines.append(f"{dtype}: weights read per token {e['weight_bytes'] / 2**20:.0f} MiB ({e['params'] / 1e6:.0f}M "
+                     f"params); batch 1: {e['batch1_ms']:.2f} ms/token against a bound of {e['batch1_bound_ms']:.2f} "
+                     f"({100 * e['batch1_of_bound']:.0f}%); batch {batch}: {e[f'batch{batch}_tok_s']:.0f} tok/s = "
+                     f"{e[f'batch{batch}_gflops']:.0f} GFLOP/s, {100 * e[f'batch{batch}_of_kernel_peak']:.0f}% of "
+                     f"the kernel's peak, {100 * e[f'batch{batch}_of_best_peak']:.0f}% of the best GEMM peak")
+        for b, prof in e["profile"].items():
+            total = sum(prof.values())
+            parts = ", ".join(f"{k} {v * 1e3:.2f} ms ({100 * v / total:.0f}%)"
+                              for k, v in sorted(prof.items(), key=lambda kv: -kv[1]))
+            lines.append(f"  decode step at batch {b}: {total * 1e3:.2f} ms = {parts}")
+    return "\n".join(lines)

@@ -1,0 +1,23 @@
+"""`cpuserve bench`: the bound arithmetic, and a decode step's profile on the real model
+(every category measured, the step's time accounted for, the timers removed afterwards)."""
+import pytest
+
+from cpuserve.entrypoints import bench
+
+
+def test_bounds():
+    b = bench.bounds(weight_bytes=500_000_000, params=125_000_000, read_gbs=25.0, gflops=250.0)
+    assert b["batch1_ms"] == pytest.approx(20.0)          # 0.5 GB at 25 GB/s
+    assert b["compute_tok_s"] == pytest.approx(1000.0)    # 250 GFLOP/s / 0.25 GFLOP a token
+
+
+def test_profile_of_a_decode_step(llm_f32):
+    from cpuserve.model_executor import ops
+    linear = ops.linear
+    weight_bytes, params = bench.model_size(llm_f32)
+    assert 120e6 < params < 140e6 and weight_bytes == 4 * params  # SmolLM2-135M's matrices, float32
+    step, prof = bench.decode_steps(llm_f32, batch=4, tokens=4)
+    assert {"GEMM", "attention", "sampler", "Python and scheduling", "rms_norm"} <= set(prof)
+    assert all(v >= 0 for v in prof.values()) and prof["GEMM"] > prof["sampler"]
+    assert ops.linear is linear  # the timers are gone
+    assert not llm_f32.engine.core.has_unfinished()

@@ -25,7 +25,7 @@ ENVTEST_K8S := 1.36.3
 KUBEBUILDER_ASSETS ?= $(HOME)/.cache/cpuserve-envtest/$(ENVTEST_K8S)/bin
 export KUBEBUILDER_ASSETS
 
-.PHONY: install install-operator host-deps docs soak fuzz run test test-python test-operator envtest test-kernels-cpp e2e e2e-bin \
+.PHONY: install install-operator host-deps docs soak fuzz bench-peers run test test-python test-operator envtest test-kernels-cpp e2e e2e-bin \
         test-kernels-cross images test-images bench clean
 
 install: $(STAMP)
@@ -134,6 +134,13 @@ bench: install
 	$(PY) benchmarks/tensor_parallel.py
 	$(PY) benchmarks/structured_output.py
 	$(PY) benchmarks/roofline.py
+
+# cpuserve against vLLM's CPU backend, llama.cpp and transformers, side by side in one run
+# (docs/bench/PEERS.md). The peers install outside the clone, once per version.
+PEERS_CACHE ?= $(HOME)/.cache/cpuserve-peers
+bench-peers: install
+	hack/peers/install.sh $(PEERS_CACHE)
+	CPUSERVE_PEERS_CACHE=$(PEERS_CACHE) $(PY) benchmarks/peers.py
 
 # The soak drill: 20 minutes of mixed traffic at twice the sustainable rate (CI runs 2 minutes of it).
 SOAK_MINUTES ?= 20

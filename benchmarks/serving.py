@@ -74,7 +74,9 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int]) ->
             "start": t0}
 
 
-async def level(url: str, concurrency: int, prompts: list[list[int]]) -> dict:
+async def level(url: str, concurrency: int, prompts: list[list[int]], keepalive: bool = True) -> dict:
+    """`keepalive=False`: a new connection per request (llama-server closes a connection after a
+    streamed response, and a reused one then fails)."""
     per_client = max(1, 4 // concurrency) if concurrency < 4 else (2 if concurrency <= 16 else 1)
     results = []
 
@@ -82,7 +84,8 @@ async def level(url: str, concurrency: int, prompts: list[list[int]]) -> dict:
         for k in range(per_client):
             results.append(await one_request(c, url, prompts[(i * per_client + k) % len(prompts)]))
 
-    async with httpx.AsyncClient(timeout=600) as c:
+    limits = httpx.Limits() if keepalive else httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as c:
         await one_request(c, url, prompts[0])  # warm-up
         t0 = time.perf_counter()
         await asyncio.gather(*(client_loop(c, i) for i in range(concurrency)))

@@ -1,0 +1,98 @@
+"""One engine's offline workloads, run by `benchmarks/peers.py` in that engine's own
+interpreter (cpuserve's and transformers' in the project's .venv, vLLM's in its own
+virtualenv), so it imports nothing of cpuserve at module level. Prints one JSON line:
+
+- ready_s: start of this process to the engine constructed (the model already converted);
+- offline_tok_s: 64 prompts x 128 random token ids, 128 greedy output tokens each, EOS ignored;
+- batch1_ms: decode ms/token at batch 1, (t(129 tokens) - t(1 token)) / 128, best of 3;
+- prefill_2048_s: a 2,048-token prompt to its first token, best of 3 (a new prompt each time,
+  so that no prefix cache helps);
+- peak_rss_mib: this process and its children (vLLM's engine core runs in a child).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import time
+
+T0 = time.perf_counter()
+NUM, IN_LEN, OUT_LEN, LONG = 64, 128, 128, 2048
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49000) for _ in range(length)] for _ in range(n)]
+
+
+class CpuServe:
+    def __init__(self, model: str, dtype: str):
+        from cpuserve import LLM, SamplingParams
+        self.llm, self.sp = LLM(model, dtype=dtype, kv_cache_space=4.0, max_num_batched_tokens=LONG), SamplingParams
+
+    def generate(self, batch: list[list[int]], tokens: int) -> None:
+        self.llm.generate(batch, self.sp(temperature=0, max_tokens=tokens, ignore_eos=True))
+
+
+class Vllm:
+    def __init__(self, model: str, dtype: str):
+        from vllm import LLM, SamplingParams
+        self.llm = LLM(model=model, dtype=dtype, max_model_len=4096, max_num_batched_tokens=LONG, seed=0)
+        self.sp = SamplingParams
+
+    def generate(self, batch: list[list[int]], tokens: int) -> None:
+        self.llm.generate([{"prompt_token_ids": p} for p in batch],
+                          self.sp(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
+
+
+class Transformers:
+    def __init__(self, model: str, dtype: str):
+        import torch
+        from transformers import AutoModelForCausalLM
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+
+    def generate(self, batch: list[list[int]], tokens: int) -> None:
+        ids = self.torch.tensor(batch)
+        with self.torch.inference_mode():
+            self.model.generate(ids, attention_mask=self.torch.ones_like(ids), max_new_tokens=tokens,
+                                min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+
+
+def best(fn, repeats: int = 3) -> float:
+    out = float("inf")
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        fn(i)
+        out = min(out, time.perf_counter() - t0)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("engine", choices=["cpuserve", "vllm", "transformers"])
+    ap.add_argument("model")
+    ap.add_argument("dtype", choices=["float32", "bfloat16"])
+    ap.add_argument("--skip-prefill", action="store_true")
+    a = ap.parse_args()
+    eng = {"cpuserve": CpuServe, "vllm": Vllm, "transformers": Transformers}[a.engine](a.model, a.dtype)
+    res = {"ready_s": time.perf_counter() - T0}
+    eng.generate(prompts(2, 16, 1), 4)  # warm-up
+    batch = prompts(NUM, IN_LEN, 2)
+    t0 = time.perf_counter()
+    eng.generate(batch, OUT_LEN)
+    res["offline_tok_s"] = NUM * OUT_LEN / (time.perf_counter() - t0)
+    one = prompts(1, IN_LEN, 3)
+    res["batch1_ms"] = (best(lambda i: eng.generate(one, OUT_LEN + 1)) - best(lambda i: eng.generate(one, 1))) \
+        / OUT_LEN * 1e3
+    if not a.skip_prefill:
+        longs = prompts(3, LONG, 4)
+        res["prefill_2048_s"] = best(lambda i: eng.generate([longs[i]], 1))
+    rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    res["peak_rss_mib"] = rss / 1024
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine core: nothing may run at import
+    main()

@@ -1,0 +1,359 @@
+"""`make bench-peers`: cpuserve against vLLM's CPU backend, llama.cpp and transformers on the
+same model and the same workloads, one engine at a time, in one run on one machine.
+
+Peers are installed by `hack/peers/install.sh` into a cache outside the clone
+(CPUSERVE_PEERS_CACHE, default ~/.cache/cpuserve-peers), tuned as their own docs say
+(../shared/reference/peers.md): vLLM gets both cores (VLLM_CPU_OMP_THREADS_BIND=0-N,
+no reserved CPU), 4 GiB of KV cache and its preloads (libiomp5, tcmalloc when installed);
+llama.cpp runs its own tools with all threads.
+
+The model: the default SmolLM2-135M-Instruct. cpuserve and llama.cpp read its Q4_1 GGUF
+(cpuserve widens it at load); vLLM and transformers read the Hugging Face directory cpuserve
+converted it into (the same float32 weights). llama.cpp also runs F32, Q8_0 and Q4_K_M files
+made from it with llama-quantize.
+
+Workloads (benchmarks/peer_offline.py for the Python engines): offline 64 x 128/128 greedy
+with EOS ignored; batch-1 decode ms/token; a 2,048-token prompt's prefill; serving at
+concurrency 1/4/16/64 (benchmarks/serving.py's client); start to first /health 200 (cold:
+the first start in this run, warm: the next); peak RSS. Every figure is min/median over
+REPEATS runs. Writes docs/bench/PEERS.md, peers.json and peers.png.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+import readme_tables
+import serving
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "docs" / "bench"
+CACHE = Path(os.environ.get("CPUSERVE_PEERS_CACHE", Path.home() / ".cache" / "cpuserve-peers"))
+VLLM_VERSION, LLAMA_VERSION = "0.32.0", "0.3.36"
+REPEATS = int(os.environ.get("PEERS_REPEATS", "2"))
+LEVELS = [int(x) for x in os.environ.get("PEERS_CONCURRENCY", "1,4,16,64").split(",")]
+THREADS = len(os.sched_getaffinity(0))
+
+
+# -- where things are ---------------------------------------------------------------------------
+def vllm_python() -> Path:
+    return CACHE / f"vllm-cpu-{VLLM_VERSION}" / "venv" / "bin" / "python"
+
+
+def llama_bin() -> Path:
+    flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if re.match(r"^(flags|Features)", ln))
+    digest = hashlib.sha256((flags + "\n").encode()).hexdigest()[:12]
+    return CACHE / f"llama.cpp-{LLAMA_VERSION}-{digest}" / "bin"
+
+
+def models() -> tuple[Path, Path]:
+    """(the default Q4_1 GGUF, the Hugging Face directory cpuserve converts it into)."""
+    from cpuserve.loading.model_loader import default_model_path, resolve
+    return default_model_path(), Path(resolve(None))
+
+
+def llama_files(gguf: Path) -> dict[str, Path]:
+    out = {"Q4_1": gguf}
+    for kind in ("F32", "Q8_0", "Q4_K_M"):
+        f = CACHE / "models" / f"smollm2-135m-{kind.lower()}.gguf"
+        if not f.exists():
+            f.parent.mkdir(parents=True, exist_ok=True)
+            subprocess.run([str(llama_bin() / "llama-quantize"), "--allow-requantize", str(gguf), str(f), kind,
+                            str(THREADS)], check=True, capture_output=True)
+        out[kind] = f
+    return out
+
+
+def vllm_env() -> dict:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=f"0-{THREADS - 1}",
+               VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    pre = [p for p in (vllm_python().parent.parent / "lib" / "libiomp5.so",
+                       Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")) if p.exists()]
+    if pre:
+        env["LD_PRELOAD"] = ":".join(map(str, pre))
+    return env
+
+
+# -- offline --------------------------------------------------------------------------------------
+def python_offline(engine: str, dtype: str, model: Path, skip_prefill: bool = False) -> dict:
+    py = str(vllm_python()) if engine == "vllm" else sys.executable
+    env = vllm_env() if engine == "vllm" else dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind")
+    args = [py, str(ROOT / "benchmarks" / "peer_offline.py"), engine, str(model), dtype] + \
+        (["--skip-prefill"] if skip_prefill else [])
+    r = subprocess.run(args, capture_output=True, text=True, env=env, cwd="/tmp", timeout=3600)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if r.returncode != 0 or line is None:
+        raise RuntimeError(f"{engine} {dtype} failed ({r.returncode}): {r.stderr[-1500:]}")
+    return json.loads(line[7:])
+
+
+def llama_offline(gguf: Path) -> dict:
+    b = llama_bin()
+    t = str(THREADS)
+
+    def bench(p: int, n: int) -> float:
+        r = subprocess.run([str(b / "llama-bench"), "-m", str(gguf), "-t", t, "-p", str(p), "-n", str(n), "-r", "3",
+                            "-o", "json"], capture_output=True, text=True, check=True, timeout=1800)
+        return float(json.loads(r.stdout)[0]["avg_ts"])
+    r = subprocess.run([str(b / "llama-batched-bench"), "-m", str(gguf), "-t", t, "-tb", t, "-c", "17000", "-b",
+                        "2048", "-ub", "512", "-npp", "128", "-ntg", "128", "-npl", "64"],
+                       capture_output=True, text=True, check=True, timeout=3600)
+    row = [ln for ln in r.stdout.splitlines() if re.match(r"^\|\s+128\s+\|\s+128\s+\|\s+64\s+\|", ln)][-1]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    total_s = float(cells[8])  # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
+    return {"offline_tok_s": 64 * 128 / total_s, "batch1_ms": 1e3 / bench(0, 128), "prefill_2048_s": 2048 / bench(2048, 0)}
+
+
+# -- serving ----------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_cmd(engine: str, dtype: str, port: int, hf_dir: Path, gguf: Path) -> tuple[list[str], dict]:
+    if engine == "cpuserve":
+        return ([sys.executable, "-m", "cpuserve", "serve", "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype],
+                dict(os.environ))
+    if engine == "vllm":
+        return ([str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir), "--dtype", dtype,
+                 "--port", str(port), "--host", "127.0.0.1", "--max-model-len", "4096", "--served-model-name", "model"],
+                vllm_env())
+    return ([str(llama_bin() / "llama-server"), "-m", str(gguf), "-t", str(THREADS), "-tb", str(THREADS), "--parallel",
+             "16", "--cont-batching", "-c", "16384", "--port", str(port), "--host", "127.0.0.1", "--no-cache-prompt"],
+            dict(os.environ))
+
+
+def start(engine: str, dtype: str, hf_dir: Path, gguf: Path) -> tuple[subprocess.Popen, str, float]:
+    port = free_port()
+    cmd, env = server_cmd(engine, dtype, port, hf_dir, gguf)
+    log = tempfile.TemporaryFile()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd="/tmp")
+    url = f"http://127.0.0.1:{port}"
+    while time.perf_counter() - t0 < 600:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"{engine} server exited:\n{log.read().decode(errors='replace')[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                proc.log = log
+                return proc, url, time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"{engine} did not become healthy in 600 s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def serve(engine: str, dtype: str, hf_dir: Path, gguf: Path) -> dict:
+    import random
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 49000) for _ in range(serving.INPUT_LEN)] for _ in range(256)]
+    proc, url, cold = start(engine, dtype, hf_dir, gguf)
+    stop(proc)
+    proc, url, warm = start(engine, dtype, hf_dir, gguf)
+    try:
+        levels = [asyncio.run(serving.level(url, c, prompts, keepalive=False)) for c in LEVELS]  # the same for all
+    except Exception as e:
+        proc.log.seek(0)
+        raise RuntimeError(f"{e}; server log: {proc.log.read().decode(errors='replace')[-1500:]}") from e
+    finally:
+        stop(proc)
+    return {"ready_cold_s": cold, "ready_warm_s": warm, "levels": levels}
+
+
+# -- the run and the report -------------------------------------------------------------------------
+OFFLINE_KEYS = ("offline_tok_s", "batch1_ms", "prefill_2048_s", "peak_rss_mib", "ready_s")
+HIGHER_IS_BETTER = {"offline_tok_s", "tok_s"}
+
+
+def repeated(fn, n: int = REPEATS) -> dict:
+    """{key: [min, median]} over n runs of fn (a dict of figures)."""
+    runs = [fn() for _ in range(n)]
+    return {k: [min(r[k] for r in runs), statistics.median(r[k] for r in runs)] for k in runs[0]
+            if all(isinstance(r.get(k), (int, float)) for r in runs)}
+
+
+def attempt(results: dict, key: str, fn) -> None:
+    print(f"[peers] {key} ...", flush=True)
+    try:
+        results[key] = fn()
+    except Exception as e:  # noqa: BLE001 - one peer failing must not lose the others' figures
+        results[key] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+    print(f"[peers] {key}: {json.dumps(results[key])[:400]}", flush=True)
+
+
+def machine() -> dict:
+    from cpuserve_topology import read_topology
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    name = next((ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")),
+                platform.machine())
+    flags = next((ln.split(":", 1)[1].split() for ln in cpuinfo.splitlines() if re.match(r"^(flags|Features)", ln)), [])
+    keep = sorted(f for f in flags if re.match(r"^(avx|fma|f16c|amx|asimd|sve|bf16|vnni)", f))
+    topo = read_topology()
+    return {"cpu": name, "cpus": THREADS, "isa_flags": keep, "date": time.strftime("%Y-%m-%d"),
+            "cpu_quota": getattr(topo, "cpu_quota", None)}
+
+
+def main() -> None:
+    """Every workload of every engine; with PEERS_ONLY="section:name,..." (e.g. "serving:llama.cpp
+    Q4_1"), only those, the others kept from the last docs/bench/peers.json."""
+    gguf, hf_dir = models()
+    only = {tuple(x.split(":", 1)) for x in filter(None, os.environ.get("PEERS_ONLY", "").split(","))}
+    res: dict = json.loads((OUT / "peers.json").read_text()) if only else {"offline": {}, "serving": {}}
+    res["machine"] = machine()
+
+    def run(section: str, key: str, fn) -> None:
+        if not only or (section, key) in only:
+            attempt(res[section] if section != "top" else res, key, fn)
+    off = res["offline"]
+    for dtype in ("float32", "bfloat16"):
+        run("offline", f"cpuserve {dtype}", lambda: repeated(lambda: python_offline("cpuserve", dtype, gguf)))
+        run("offline", f"vLLM {dtype}", lambda: repeated(lambda: python_offline("vllm", dtype, hf_dir)))
+    run("offline", "transformers float32", lambda: repeated(lambda: python_offline("transformers", "float32", hf_dir,
+                                                                                   skip_prefill=True), 1))
+    for kind, f in llama_files(gguf).items():
+        run("offline", f"llama.cpp {kind}", lambda: repeated(lambda: llama_offline(f)))
+    for name, engine, dtype in (("cpuserve float32", "cpuserve", "float32"), ("vLLM float32", "vllm", "float32"),
+                                ("llama.cpp Q4_1", "llama", "Q4_1")):
+        run("serving", name, lambda: serve(engine, dtype, hf_dir, gguf))
+    from cpuserve.entrypoints import bench
+    run("top", "roofline", lambda: bench.run(batch=64, tokens=32))
+    assert off is res["offline"]
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "peers.json").write_text(json.dumps(res, indent=1) + "\n")
+    report(res)
+
+
+def fmt(v: list | None, digits: int = 1) -> str:
+    return "–" if not v else f"{v[0]:.{digits}f} / {v[1]:.{digits}f}"
+
+
+def ratio(ours: list | None, theirs: list | None, key: str) -> str:
+    if not ours or not theirs:
+        return "–"
+    r = ours[1] / theirs[1] if key in HIGHER_IS_BETTER else theirs[1] / ours[1]
+    return f"**{r:.2f}x**" if r >= 1 else f"{r:.2f}x"
+
+
+def report(res: dict) -> None:
+    m, off = res["machine"], res["offline"]
+    lines = ["# cpuserve against its peers (`make bench-peers`)", "",
+             f"Machine: {m['cpu']}, {m['cpus']} CPUs (cgroup CPU quota: {m['cpu_quota'] or 'none'}), ISA: "
+             f"{' '.join(m['isa_flags'])}; {m['date']}. Model: SmolLM2-135M-Instruct. Figures are min / median over "
+             f"{REPEATS} runs. Ratio: cpuserve's median over the peer's (throughput), or the peer's over cpuserve's "
+             "(times), for the same dtype (llama.cpp F32 against cpuserve float32, its quantized files against "
+             "cpuserve bfloat16): above 1x, cpuserve is ahead.", "",
+             "| engine | offline 64 x 128/128 out tok/s | batch-1 decode ms/token | 2,048-token prefill s | "
+             "ready s (warm) | peak RSS MiB | ratio: offline / batch-1 / prefill |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in off.items():
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error'][:200]} | | | | | |")
+            continue
+        ours = off.get("cpuserve float32" if ("float32" in name or "F32" in name) else "cpuserve bfloat16", {})
+        rat = " / ".join(ratio(ours.get(k), r.get(k), k) for k in ("offline_tok_s", "batch1_ms", "prefill_2048_s"))
+        lines.append(f"| {name} | {fmt(r.get('offline_tok_s'))} | {fmt(r.get('batch1_ms'), 2)} | "
+                     f"{fmt(r.get('prefill_2048_s'), 2)} | {fmt(r.get('ready_s'), 1)} | {fmt(r.get('peak_rss_mib'), 0)} | "
+                     f"{'' if name.startswith('cpuserve') else rat} |")
+    lines += ["", "Serving (`serving.py`'s client: 128-token prompts of random ids, 128 greedy output tokens, C "
+              "concurrent streams back to back, a new connection per request; vLLM's OpenAI server and "
+              "`llama-server --parallel 16`):", "",
+              "| engine | ready s cold / warm | C | out tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |",
+              "|---|---|---|---|---|---|"]
+    for name, r in res["serving"].items():
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error'][:200]} | | | | |")
+            continue
+        for lv in r["levels"]:
+            lines.append(f"| {name} | {r['ready_cold_s']:.1f} / {r['ready_warm_s']:.1f} | {lv['concurrency']} | "
+                         f"{lv['tok_s']:.1f} | {lv['ttft_p50']:.0f} / {lv['ttft_p99']:.0f} | "
+                         f"{lv['itl_p50']:.1f} / {lv['itl_p99']:.1f} |")
+    readme_tables.update("peers", lines[2:] + ["", "Command: `make bench-peers`; roofline, plots and JSON in "
+                                                   "[docs/bench/PEERS.md](docs/bench/PEERS.md)."])
+    roof = res.get("roofline", {})
+    if "machine" in roof:
+        from cpuserve.entrypoints import bench
+        mm = roof["machine"]
+        lines += ["", "## Roofline", "", "```", bench.format_report(roof), "```", "",
+                  "Each system's batch-1 decode against the bandwidth bound of the bytes it reads per token, and "
+                  "its offline throughput as GFLOP/s (2 x 134M params a token) against the best GEMM peak measured "
+                  f"here, torch's or ours, any dtype "
+                  f"({max(*mm['kernel_gflops'].values(), *mm['torch_gflops'].values()):.0f} GFLOP/s):", "",
+                  "| system | bytes read per token (MiB) | batch-1 of its bound | offline GFLOP/s | of the peak |",
+                  "|---|---|---|---|---|"]
+        params = next(iter(roof["engines"].values()))["params"]
+        peak = max(*mm["kernel_gflops"].values(), *mm["torch_gflops"].values())
+        for name, r in off.items():
+            if "error" in r or not r.get("batch1_ms"):
+                continue
+            nbytes = weight_bytes(name, roof)
+            gflops = r["offline_tok_s"][1] * 2 * params / 1e9
+            bound_ms = nbytes / (mm["read_gbs"] * 1e9) * 1e3
+            lines.append(f"| {name} | {nbytes / 2**20:.0f} | {100 * bound_ms / r['batch1_ms'][1]:.0f}% | {gflops:.0f} | "
+                         f"{100 * gflops / peak:.0f}% |")
+    lines.append("")
+    (OUT / "PEERS.md").write_text("\n".join(lines))
+    plot(res)
+    print("\n".join(lines))
+
+
+def weight_bytes(name: str, roof: dict) -> int:
+    """Bytes a decode step reads: the float32 or bfloat16 matrices, or the llama.cpp file."""
+    if "bfloat16" in name:
+        return roof["engines"]["bfloat16"]["weight_bytes"]
+    if name.startswith("llama.cpp") and not name.endswith("F32"):
+        kind = name.split()[-1]
+        f = CACHE / "models" / f"smollm2-135m-{kind.lower()}.gguf" if kind != "Q4_1" else models()[0]
+        return f.stat().st_size
+    return roof["engines"]["float32"]["weight_bytes"]
+
+
+def plot(res: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    off = {k: v for k, v in res["offline"].items() if "error" not in v}
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    for ax, key, title in zip(axes[:2], ("offline_tok_s", "batch1_ms"),
+                              ("offline 64 x 128/128: output tok/s", "batch-1 decode ms/token")):
+        names = [n for n in off if off[n].get(key)]
+        ax.barh(names, [off[n][key][1] for n in names], color=["C0" if n.startswith("cpuserve") else "C7" for n in names])
+        ax.set_title(title)
+        ax.invert_yaxis()
+    for name, r in res["serving"].items():
+        if "error" not in r:
+            axes[2].plot([lv["concurrency"] for lv in r["levels"]], [lv["tok_s"] for lv in r["levels"]], "o-", label=name)
+    axes[2].set_xscale("log", base=2)
+    axes[2].set_title("serving: output tok/s by concurrency")
+    axes[2].legend()
+    fig.suptitle(f"{res['machine']['cpu']}, {res['machine']['cpus']} CPUs, {res['machine']['date']}")
+    fig.tight_layout()
+    fig.savefig(OUT / "peers.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()

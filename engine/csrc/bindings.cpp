@@ -9,6 +9,7 @@
 #include <vector>
 #include "comm/shm_comm.hpp"
 #include "kernel_table.hpp"
+#include "kernels/quant_format.hpp"
 #include "platform/numa.hpp"
 
 namespace py = pybind11;
@@ -31,6 +32,15 @@ struct Kernels {
     if (t == nullptr) throw std::invalid_argument("ISA '" + isa + "' is not compiled in or not supported by this CPU");
   }
 };
+
+cpuserve::QFormat qformat_checked(int t, int64_t k) {
+  const cpuserve::QFormat f = cpuserve::qformat(t);
+  if (f.block == 0) throw std::invalid_argument("unsupported GGUF quantization type id " + std::to_string(t));
+  if (k % f.block != 0)
+    throw std::invalid_argument(std::to_string(k) + " input features are not a multiple of the block of " +
+                                std::to_string(f.block));
+  return f;
+}
 
 std::vector<std::string> available_isas() {
   std::vector<std::string> out;
@@ -133,5 +143,24 @@ PYBIND11_MODULE(_C, m) {
                       int64_t n, int64_t kk, int64_t lda, int64_t ldc) {
              k.t->gemm(ptr<float>(c), ptr<const float>(a), ptr<const void>(w), to_dtype(dt),
                        bias ? ptr<const float>(bias) : nullptr, m, n, kk, lda, ldc);
+           }, G())
+      .def("qpacked_bytes", [](const Kernels& k, int qt, int64_t n, int64_t kk) {
+             qformat_checked(qt, kk);
+             return cpuserve::qpacked_bytes(qt, n, kk, k.t->gemm_nr);
+           })
+      .def("qpack", [](const Kernels& k, uintptr_t dst, uintptr_t src, int qt, int64_t n, int64_t kk) {
+             qformat_checked(qt, kk);
+             k.t->qpack(ptr<uint8_t>(dst), ptr<const uint8_t>(src), qt, n, kk);
+           }, G())
+      .def("qgemm", [](const Kernels& k, uintptr_t c, uintptr_t a, uintptr_t w, int qt, uintptr_t bias, int64_t m,
+                       int64_t n, int64_t kk, int64_t lda, int64_t ldc) {
+             qformat_checked(qt, kk);
+             k.t->qgemm(ptr<float>(c), ptr<const float>(a), ptr<const uint8_t>(w), qt,
+                        bias ? ptr<const float>(bias) : nullptr, m, n, kk, lda, ldc);
+           }, G())
+      .def("qrows", [](const Kernels& k, uintptr_t out, uintptr_t w, int qt, uintptr_t ids, int64_t count,
+                       int64_t kk) {
+             qformat_checked(qt, kk);
+             k.t->qrows(ptr<float>(out), ptr<const uint8_t>(w), qt, ptr<const int64_t>(ids), count, kk);
            }, G());
 }

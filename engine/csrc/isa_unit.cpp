@@ -7,6 +7,7 @@
 #include "kernels/cache.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/norm.hpp"
+#include "kernels/quant.hpp"
 #include "kernels/rotary.hpp"
 
 #ifndef CPUSERVE_TABLE_FN
@@ -29,6 +30,9 @@ const KernelTable* CPUSERVE_TABLE_FN() {
       &paged_attention_impl,
       &pack_weight_impl,
       &gemm_impl,
+      &qpack_impl,
+      &qgemm_impl,
+      &qrows_impl,
   };
   return &table;
 }

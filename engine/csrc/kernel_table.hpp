@@ -52,6 +52,14 @@ struct KernelTable {
   // a row's result does not depend on the batch it is computed in.
   void (*gemm)(float* c, const float* a, const void* w_packed, DType wdt, const float* bias,
                int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldc);
+  // GGUF block-quantized weights (kernels/quant_format.hpp; qtype: ggml's type id).
+  // qpack: n GGUF rows of k weights (fields in host byte order) -> panels of gemm_nr rows.
+  void (*qpack)(uint8_t* dst, const uint8_t* src, int qtype, int64_t n, int64_t k);
+  // As gemm, on a qpacked weight: bit for bit gemm() on the dequantized weight.
+  void (*qgemm)(float* c, const float* a, const uint8_t* w, int qtype, const float* bias, int64_t m,
+                int64_t n, int64_t k, int64_t lda, int64_t ldc);
+  // out[i, :k] = row ids[i] of a qpacked weight, dequantized (embedding lookups).
+  void (*qrows)(float* out, const uint8_t* w, int qtype, const int64_t* ids, int64_t count, int64_t k);
 };
 
 // Tables compiled into this build (nullptr where the ISA is not built).

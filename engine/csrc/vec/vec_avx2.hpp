@@ -41,6 +41,12 @@ struct VecF {
   static VecF load(const f16* p) {
     return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
   }
+  // Lanes i: float((p[i] >> shift) & mask), for N bytes at p (quantized weight codes).
+  static VecF u8(const uint8_t* p, int shift, int mask) {
+    __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    x = _mm256_and_si256(_mm256_srl_epi32(x, _mm_cvtsi32_si128(shift)), _mm256_set1_epi32(mask));
+    return {_mm256_cvtepi32_ps(x)};
+  }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   void store(bf16* p) const {
     alignas(32) float t[N];

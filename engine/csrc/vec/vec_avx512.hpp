@@ -40,6 +40,12 @@ struct VecF {
   static VecF load(const f16* p) {
     return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
   }
+  // Lanes i: float((p[i] >> shift) & mask), for N bytes at p (quantized weight codes).
+  static VecF u8(const uint8_t* p, int shift, int mask) {
+    __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    x = _mm512_and_si512(_mm512_srl_epi32(x, _mm_cvtsi32_si128(shift)), _mm512_set1_epi32(mask));
+    return {_mm512_cvtepi32_ps(x)};
+  }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   void store(bf16* p) const {
     alignas(64) float t[N];

@@ -39,6 +39,14 @@ struct VecF {
   static VecF load(const f16* p) {
     return {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p))))};
   }
+  // Lanes i: float((p[i] >> shift) & mask), for N bytes at p (quantized weight codes).
+  static VecF u8(const uint8_t* p, int shift, int mask) {
+    uint32_t w;
+    std::memcpy(&w, p, 4);
+    uint32x4_t x = vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(w)))));
+    x = vandq_u32(vshlq_u32(x, vdupq_n_s32(-shift)), vdupq_n_u32(static_cast<uint32_t>(mask)));
+    return {vcvtq_f32_u32(x)};
+  }
   void store(float* p) const { vst1q_f32(p, v); }
   void store(bf16* p) const {
     float t[N];

@@ -21,6 +21,12 @@ struct VecF {
     for (int i = 0; i < N; ++i) r.v[i] = to_float(p[i]);
     return r;
   }
+  // Lanes i: float((p[i] >> shift) & mask), for N bytes at p (quantized weight codes).
+  static VecF u8(const uint8_t* p, int shift, int mask) {
+    VecF r;
+    for (int i = 0; i < N; ++i) r.v[i] = static_cast<float>((p[i] >> shift) & mask);
+    return r;
+  }
   template <typename T> void store(T* p) const {
     for (int i = 0; i < N; ++i) p[i] = from_float<T>(v[i]);
   }

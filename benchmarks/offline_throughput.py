@@ -37,9 +37,10 @@ def prompts():
 
 
 def case_engine(dtype: str) -> dict:
+    """dtype "gguf": the default GGUF in its Q4_1 blocks; float32 / bfloat16: every weight widened."""
     t0 = time.perf_counter()
     from cpuserve import LLM, SamplingParams
-    llm = LLM(dtype=dtype)
+    llm = LLM(dtype="float32" if dtype == "gguf" else dtype, quantization="gguf" if dtype == "gguf" else "none")
     ready = time.perf_counter() - t0
     runner = llm.engine.runner
     ps = prompts()
@@ -119,13 +120,14 @@ def main() -> None:
     ap.add_argument("--case")
     a = ap.parse_args()
     if a.case:
-        fn = {"f32": lambda: case_engine("float32"), "bf16": lambda: case_engine("bfloat16"),
+        fn = {"q4_1": lambda: case_engine("gguf"), "f32": lambda: case_engine("float32"),
+              "bf16": lambda: case_engine("bfloat16"),
               "hf": case_transformers, "cold": case_cold_start}[a.case]
         print(json.dumps(fn()))
         return
 
     OUT.mkdir(parents=True, exist_ok=True)
-    results = {"f32": [], "bf16": []}
+    results = {"q4_1": [], "f32": [], "bf16": []}
     for i in range(REPEATS):
         for name in results:
             results[name].append(run_case(name))
@@ -141,7 +143,7 @@ def main() -> None:
 def write_report(results: dict, hf: dict, cold: dict) -> None:
     import platform
     rows = []
-    for name, label in (("f32", "float32"), ("bf16", "bfloat16")):
+    for name, label in (("q4_1", "Q4_1 blocks"), ("f32", "float32"), ("bf16", "bfloat16")):
         runs = results[name]
         tps, tps_lo, tps_hi = summarize(runs, "tok_per_s")
         dec, dec_lo, dec_hi = summarize(runs, "decode_ms")
@@ -152,7 +154,7 @@ def write_report(results: dict, hf: dict, cold: dict) -> None:
         rows.append(dict(label=label, tps=tps, tps_lo=tps_lo, tps_hi=tps_hi, dec=dec, dec_lo=dec_lo, dec_hi=dec_hi,
                          ttft=ttft, ready=ready, weights_mb=r0["weights_bytes"] / 2**20,
                          kv_mb=r0["kv_touched_bytes"] / 2**20, rss_mb=max(r["peak_rss_bytes"] for r in runs) / 2**20,
-                         overhead_mb=overhead, ratio_hf=tps / hf["tok_per_s"], vllm=VLLM_REFERENCE[label],
+                         overhead_mb=overhead, ratio_hf=tps / hf["tok_per_s"], vllm=VLLM_REFERENCE.get(label),
                          total=summarize(runs, "total_s")[0], isa=r0["isa"]))
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
@@ -171,7 +173,7 @@ def write_report(results: dict, hf: dict, cold: dict) -> None:
     for r in rows:
         lines.append(
             f"| cpuserve | {r['label']} | **{r['tps']:.1f}** [{r['tps_lo']:.1f}-{r['tps_hi']:.1f}] | {r['total']:.1f} | "
-            f"{r['ratio_hf']:.2f}x | {r['vllm']:.0f} | **{r['dec']:.2f}** [{r['dec_lo']:.2f}-{r['dec_hi']:.2f}] | "
+            f"{r['ratio_hf']:.2f}x | {'' if r['vllm'] is None else round(r['vllm'])} | **{r['dec']:.2f}** [{r['dec_lo']:.2f}-{r['dec_hi']:.2f}] | "
             f"{r['ttft']:.0f} | {r['ready']:.2f} | {r['weights_mb']:.0f} | {r['kv_mb']:.0f} | {r['rss_mb']:.0f} | "
             f"{r['overhead_mb']:.0f} |")
     lines.append(f"| transformers generate (batch 64) | float32 | {hf['tok_per_s']:.1f} | {hf['total_s']:.1f} | 1.00x "
@@ -195,7 +197,7 @@ def plot(rows: list[dict], hf: dict) -> None:
              ["vLLM CPU\nfloat32 (reported)", "vLLM CPU\nbfloat16 (reported)"]
     vals = [r["tps"] for r in rows] + [hf["tok_per_s"], VLLM_REFERENCE["float32"], VLLM_REFERENCE["bfloat16"]]
     errs = [[r["tps"] - r["tps_lo"] for r in rows] + [0, 0, 0], [r["tps_hi"] - r["tps"] for r in rows] + [0, 0, 0]]
-    colors = ["#1f77b4", "#4a9be0", "#999999", "#d62728", "#f08080"]
+    colors = ["#2ca02c", "#1f77b4", "#4a9be0", "#999999", "#d62728", "#f08080"]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.bar(labels, vals, yerr=errs, color=colors, capsize=4)
     for i, v in enumerate(vals):

@@ -7,10 +7,10 @@ Peers are installed by `hack/peers/install.sh` into a cache outside the clone
 no reserved CPU), 4 GiB of KV cache and its preloads (libiomp5, tcmalloc when installed);
 llama.cpp runs its own tools with all threads.
 
-The model: the default SmolLM2-135M-Instruct. cpuserve and llama.cpp read its Q4_1 GGUF
-(cpuserve widens it at load); vLLM and transformers read the Hugging Face directory cpuserve
-converted it into (the same float32 weights). llama.cpp also runs F32, Q8_0 and Q4_K_M files
-made from it with llama-quantize.
+The model: the default SmolLM2-135M-Instruct. cpuserve and llama.cpp read its Q4_1 GGUF and
+Q8_0 / Q4_K_M / F32 files made from it with llama-quantize, cpuserve in their blocks ("cpuserve
+Q4_1") and widened to float32 or bfloat16 ("cpuserve float32"); vLLM and transformers read the
+same float32 weights as a Hugging Face directory (written by `cpuserve convert`-style widening).
 
 Workloads (benchmarks/peer_offline.py for the Python engines): offline 64 x 128/128 greedy
 with EOS ignored; batch-1 decode ms/token; a 2,048-token prompt's prefill; serving at
@@ -125,8 +125,9 @@ def free_port() -> int:
 
 
 def server_cmd(engine: str, dtype: str, port: int, hf_dir: Path, gguf: Path) -> tuple[list[str], dict]:
-    if engine == "cpuserve":
-        return ([sys.executable, "-m", "cpuserve", "serve", "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype],
+    if engine == "cpuserve":  # dtype "gguf": the blocks as they are, else widened to dtype
+        quant = ["--quantization", "gguf"] if dtype == "gguf" else ["--dtype", dtype, "--quantization", "none"]
+        return ([sys.executable, "-m", "cpuserve", "serve", "--host", "127.0.0.1", "--port", str(port)] + quant,
                 dict(os.environ))
     if engine == "vllm":
         return ([str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir), "--dtype", dtype,
@@ -236,9 +237,11 @@ def main() -> None:
     run("offline", "transformers float32", lambda: repeated(lambda: python_offline("transformers", "float32", hf_dir,
                                                                                    skip_prefill=True), 1))
     for kind, f in llama_files(gguf).items():
+        if kind != "F32":
+            run("offline", f"cpuserve {kind}", lambda: repeated(lambda: python_offline("cpuserve", "gguf", f)))
         run("offline", f"llama.cpp {kind}", lambda: repeated(lambda: llama_offline(f)))
-    for name, engine, dtype in (("cpuserve float32", "cpuserve", "float32"), ("vLLM float32", "vllm", "float32"),
-                                ("llama.cpp Q4_1", "llama", "Q4_1")):
+    for name, engine, dtype in (("cpuserve Q4_1", "cpuserve", "gguf"), ("cpuserve float32", "cpuserve", "float32"),
+                                ("vLLM float32", "vllm", "float32"), ("llama.cpp Q4_1", "llama", "Q4_1")):
         run("serving", name, lambda: serve(engine, dtype, hf_dir, gguf))
     from cpuserve.entrypoints import bench
     run("top", "roofline", lambda: bench.run(batch=64, tokens=32))
@@ -265,8 +268,8 @@ def report(res: dict) -> None:
              f"Machine: {m['cpu']}, {m['cpus']} CPUs (cgroup CPU quota: {m['cpu_quota'] or 'none'}), ISA: "
              f"{' '.join(m['isa_flags'])}; {m['date']}. Model: SmolLM2-135M-Instruct. Figures are min / median over "
              f"{REPEATS} runs. Ratio: cpuserve's median over the peer's (throughput), or the peer's over cpuserve's "
-             "(times), for the same dtype (llama.cpp F32 against cpuserve float32, its quantized files against "
-             "cpuserve bfloat16): above 1x, cpuserve is ahead.", "",
+             "(times), for the same weights (vLLM and llama.cpp F32 against cpuserve float32 or bfloat16, "
+             "llama.cpp's quantized files against cpuserve on the same file): above 1x, cpuserve is ahead.", "",
              "| engine | offline 64 x 128/128 out tok/s | batch-1 decode ms/token | 2,048-token prefill s | "
              "ready s (warm) | peak RSS MiB | ratio: offline / batch-1 / prefill |",
              "|---|---|---|---|---|---|---|"]
@@ -274,7 +277,7 @@ def report(res: dict) -> None:
         if "error" in r:
             lines.append(f"| {name} | failed: {r['error'][:200]} | | | | | |")
             continue
-        ours = off.get("cpuserve float32" if ("float32" in name or "F32" in name) else "cpuserve bfloat16", {})
+        ours = off.get(counterpart(name), {})
         rat = " / ".join(ratio(ours.get(k), r.get(k), k) for k in ("offline_tok_s", "batch1_ms", "prefill_2048_s"))
         lines.append(f"| {name} | {fmt(r.get('offline_tok_s'))} | {fmt(r.get('batch1_ms'), 2)} | "
                      f"{fmt(r.get('prefill_2048_s'), 2)} | {fmt(r.get('ready_s'), 1)} | {fmt(r.get('peak_rss_mib'), 0)} | "
@@ -321,11 +324,19 @@ def report(res: dict) -> None:
     print("\n".join(lines))
 
 
+def counterpart(name: str) -> str:
+    """cpuserve's row with the same weights as a peer's row."""
+    kind = name.split()[-1]
+    if kind in ("float32", "F32"):
+        return "cpuserve float32"
+    return "cpuserve bfloat16" if kind == "bfloat16" else f"cpuserve {kind}"
+
+
 def weight_bytes(name: str, roof: dict) -> int:
-    """Bytes a decode step reads: the float32 or bfloat16 matrices, or the llama.cpp file."""
+    """Bytes a decode step reads: the float32 or bfloat16 matrices, or the GGUF file."""
     if "bfloat16" in name:
         return roof["engines"]["bfloat16"]["weight_bytes"]
-    if name.startswith("llama.cpp") and not name.endswith("F32"):
+    if not name.endswith(("F32", "float32")):
         kind = name.split()[-1]
         f = CACHE / "models" / f"smollm2-135m-{kind.lower()}.gguf" if kind != "Q4_1" else models()[0]
         return f.stat().st_size

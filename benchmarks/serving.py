@@ -42,8 +42,9 @@ def start_server(dtype: str) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = tempfile.TemporaryFile()
+    weights = ["--quantization", "gguf"] if dtype == "gguf" else ["--dtype", dtype, "--quantization", "none"]
     proc = subprocess.Popen([sys.executable, "-m", "cpuserve", "serve", "--host", "127.0.0.1", "--port", str(port),
-                             "--dtype", dtype, *os.environ.get("BENCH_SERVER_ARGS", "").split()],
+                             *weights, *os.environ.get("BENCH_SERVER_ARGS", "").split()],
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -98,17 +99,18 @@ async def level(url: str, concurrency: int, prompts: list[list[int]], keepalive:
 
 
 def offline_decode_ms(dtype: str) -> float:
-    code = ("import time,torch;from cpuserve import LLM,SamplingParams;llm=LLM(dtype=%r);e=llm.engine;"
+    kw = "quantization='gguf'" if dtype == "gguf" else f"dtype={dtype!r},quantization='none'"
+    code = ("import time,torch;from cpuserve import LLM,SamplingParams;llm=LLM(%s);e=llm.engine;"
             "e.add_request('x',list(range(1000,1128)),SamplingParams(temperature=0,max_tokens=%d,ignore_eos=True));"
             "e.step();t=time.perf_counter();n=0\nwhile e.has_unfinished_requests(): e.step();n+=1\n"
-            "print((time.perf_counter()-t)/n*1e3)") % (dtype, OUTPUT_LEN)
+            "print((time.perf_counter()-t)/n*1e3)") % (kw, OUTPUT_LEN)
     return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                 check=True).stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     import torch
-    dtype = os.environ.get("BENCH_DTYPE", "float32")
+    dtype = os.environ.get("BENCH_DTYPE", "gguf")  # gguf: the default model's Q4_1 blocks
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 49000, (INPUT_LEN,), generator=g).tolist() for _ in range(128)]
     proc, url = start_server(dtype)
@@ -129,8 +131,9 @@ def main() -> None:
 def write(rows: list[dict], offline_ms: float, dtype: str) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     one = next((r for r in rows if r["concurrency"] == 1), None)
+    weights = "its Q4_1 blocks" if dtype == "gguf" else f"{dtype} weights"
     lines = ["# Serving benchmark (`make bench`)", "",
-             f"`cpuserve serve --dtype {dtype}` on the default model, streaming completions over loopback: "
+             f"`cpuserve serve` ({weights}) on the default model, streaming completions over loopback: "
              f"{INPUT_LEN}-token prompts (random ids), {OUTPUT_LEN} greedy output tokens, C concurrent clients "
              "sending back to back.", "",
              "| concurrency | requests | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | vLLM CPU (reported) |",

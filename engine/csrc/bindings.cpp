@@ -6,11 +6,13 @@
 #include <omp.h>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 #include "comm/shm_comm.hpp"
 #include "kernel_table.hpp"
 #include "kernels/quant_format.hpp"
 #include "platform/numa.hpp"
+#include "runner/decoder_step.hpp"
 
 namespace py = pybind11;
 using cpuserve::DType;
@@ -21,7 +23,7 @@ namespace {
 template <typename T> T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
 
 DType to_dtype(int d) {
-  if (d < 0 || d > 2) throw std::invalid_argument("unknown dtype code " + std::to_string(d));
+  if (d < 0 || d > 4) throw std::invalid_argument("unknown dtype code " + std::to_string(d));
   return static_cast<DType>(d);
 }
 
@@ -95,6 +97,63 @@ PYBIND11_MODULE(_C, m) {
       .def("unlink", &ShmComm::unlink);
 
   using G = py::call_guard<py::gil_scoped_release>;
+  using cpuserve::DecoderLayerDesc;
+  using cpuserve::DecoderStack;
+  using cpuserve::LinearDesc;
+  // A linear: (k, bias address or 0, [(weight address, kind, n), ...]); kind: DType code or 16 + ggml type.
+  using LinearSpec = std::tuple<int64_t, uintptr_t, std::vector<std::tuple<uintptr_t, int, int64_t>>>;
+  auto to_linear = [](const LinearSpec& s) {
+    LinearDesc l;
+    l.k = std::get<0>(s);
+    l.bias = std::get<1>(s) ? ptr<const float>(std::get<1>(s)) : nullptr;
+    for (const auto& [w, kind, n] : std::get<2>(s)) {
+      if (kind >= 16) qformat_checked(kind - 16, l.k);
+      else to_dtype(kind);
+      l.parts.push_back({ptr<const void>(w), kind, n});
+      l.n += n;
+    }
+    return l;
+  };
+  py::class_<DecoderStack>(m, "DecoderStack")
+      .def(py::init([](const Kernels& k, int64_t hidden, int64_t inter) {
+             return new DecoderStack(k.t, hidden, inter);
+           }), py::arg("kernels"), py::arg("hidden"), py::arg("intermediate"))
+      .def("__len__", &DecoderStack::size)
+      .def("add_layer", [to_linear](DecoderStack& st, uintptr_t in_norm, uintptr_t post_norm, float eps,
+                                    const LinearSpec& qkv, const LinearSpec& o, const LinearSpec& gate_up,
+                                    const LinearSpec& down, uintptr_t q_norm, uintptr_t k_norm, int64_t hq,
+                                    int64_t hk, int64_t d, int64_t group, int64_t q_off, float scale, int64_t window,
+                                    float softcap, uintptr_t cos_sin, int64_t rot_dim, bool neox, uintptr_t kc,
+                                    uintptr_t vc, int kv_dtype, int64_t block_size, float k_scale, float v_scale) {
+             DecoderLayerDesc L;
+             L.in_norm = ptr<const float>(in_norm);
+             L.post_norm = ptr<const float>(post_norm);
+             L.eps = eps;
+             L.qkv = to_linear(qkv);
+             L.o = to_linear(o);
+             L.gate_up = to_linear(gate_up);
+             L.down = to_linear(down);
+             L.q_norm = q_norm ? ptr<const float>(q_norm) : nullptr;
+             L.k_norm = k_norm ? ptr<const float>(k_norm) : nullptr;
+             L.hq = hq; L.hk = hk; L.d = d; L.group = group; L.q_off = q_off;
+             L.scale = scale; L.window = window; L.softcap = softcap;
+             L.cos_sin = ptr<const float>(cos_sin);
+             L.rot_dim = rot_dim; L.neox = neox;
+             L.k_cache = ptr<void>(kc); L.v_cache = ptr<void>(vc);
+             L.kv_dtype = to_dtype(kv_dtype);
+             L.block_size = block_size; L.k_scale = k_scale; L.v_scale = v_scale;
+             if (L.qkv.n != (hq + 2 * hk) * d || L.o.k != hq * d || L.gate_up.n != 2 * L.down.k)
+               throw std::invalid_argument("decoder layer shapes do not fit together");
+             st.add_layer(L);
+           })
+      .def("run", [](DecoderStack& st, uintptr_t h, uintptr_t residual, bool residual_valid, int64_t tokens,
+                     uintptr_t positions, uintptr_t slots, uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens,
+                     uintptr_t qsl, int64_t num_seqs) {
+             st.run(ptr<float>(h), ptr<float>(residual), residual_valid,
+                    {tokens, ptr<const int64_t>(positions), ptr<const int64_t>(slots), ptr<const int32_t>(tables),
+                     max_blocks, ptr<const int32_t>(seq_lens), ptr<const int32_t>(qsl), num_seqs});
+           }, G());
+
   py::class_<Kernels>(m, "Kernels")
       .def(py::init<const std::string&>(), py::arg("isa") = "")
       .def_property_readonly("isa", [](const Kernels& k) { return std::string(k.t->isa); })
@@ -123,19 +182,28 @@ PYBIND11_MODULE(_C, m) {
            }, G())
       .def("reshape_and_cache", [](const Kernels& k, uintptr_t key, uintptr_t value, uintptr_t kc, uintptr_t vc,
                                    int dt, uintptr_t slots, int64_t tokens, int64_t heads, int64_t d, int64_t bs,
-                                   int64_t ks, int64_t vs) {
+                                   int64_t ks, int64_t vs, float k_scale, float v_scale) {
              k.t->reshape_and_cache(ptr<const float>(key), ptr<const float>(value), ptr<void>(kc), ptr<void>(vc),
-                                    to_dtype(dt), ptr<const int64_t>(slots), tokens, heads, d, bs, ks, vs);
-           }, G())
+                                    to_dtype(dt), ptr<const int64_t>(slots), tokens, heads, d, bs, ks, vs, k_scale,
+                                    v_scale);
+           }, py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"), py::arg("dtype"),
+           py::arg("slots"), py::arg("tokens"), py::arg("heads"), py::arg("head_dim"), py::arg("block_size"),
+           py::arg("key_stride"), py::arg("value_stride"), py::arg("k_scale") = 1.f, py::arg("v_scale") = 1.f, G())
       .def("paged_attention", [](const Kernels& k, uintptr_t out, uintptr_t q, uintptr_t kc, uintptr_t vc, int dt,
                                  uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens, uintptr_t qsl,
                                  int64_t num_seqs, int64_t hq, int64_t hk, int64_t group, int64_t q_off, int64_t d,
-                                 int64_t bs, float scale, int64_t window, float softcap, int64_t qs, int64_t os) {
+                                 int64_t bs, float scale, int64_t window, float softcap, int64_t qs, int64_t os,
+                                 float k_scale, float v_scale) {
              k.t->paged_attention(ptr<float>(out), ptr<const float>(q), ptr<const void>(kc), ptr<const void>(vc),
                                   to_dtype(dt), ptr<const int32_t>(tables), max_blocks, ptr<const int32_t>(seq_lens),
                                   ptr<const int32_t>(qsl), num_seqs, hq, hk, group, q_off, d, bs, scale, window,
-                                  softcap, qs, os);
-           }, G())
+                                  softcap, qs, os, k_scale, v_scale);
+           }, py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("dtype"),
+           py::arg("block_tables"), py::arg("max_blocks"), py::arg("seq_lens"), py::arg("query_start_loc"),
+           py::arg("num_seqs"), py::arg("num_q_heads"), py::arg("num_kv_heads"), py::arg("group"),
+           py::arg("q_head_offset"), py::arg("head_dim"), py::arg("block_size"), py::arg("scale"),
+           py::arg("sliding_window"), py::arg("softcap"), py::arg("q_stride"), py::arg("out_stride"),
+           py::arg("k_scale") = 1.f, py::arg("v_scale") = 1.f, G())
       .def("pack_weight", [](const Kernels& k, uintptr_t dst, uintptr_t src, int dt, int64_t n, int64_t kk) {
              k.t->pack_weight(ptr<void>(dst), ptr<const void>(src), to_dtype(dt), n, kk);
            }, G())

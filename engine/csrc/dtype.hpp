@@ -2,15 +2,19 @@
 // Activations are always float32; weights and the KV cache may be stored as
 // bfloat16 or float16 and are widened to float32 inside the kernels.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <cstring>
 
 namespace cpuserve {
 
-enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+enum class DType : int { F32 = 0, BF16 = 1, F16 = 2, F8E5M2 = 3, F8E4M3 = 4 };
 
 struct bf16 { uint16_t bits; };
 struct f16 { uint16_t bits; };
+// KV cache only: OCP float8, torch's float8_e5m2 and float8_e4m3fn.
+struct f8e5m2 { uint8_t bits; };
+struct f8e4m3 { uint8_t bits; };
 
 // Conversions have internal linkage: each ISA unit is compiled with its own
 // flags, and an inline function shared between them could run AVX code on a
@@ -50,6 +54,37 @@ inline float to_float(f16 h) {
   return f;
 }
 
+// e5m2 is float16 without its low byte.
+inline float to_float(f8e5m2 x) { return to_float(f16{static_cast<uint16_t>(x.bits << 8)}); }
+
+inline float to_float(f8e4m3 x) {
+  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x80u) << 24;
+  const uint32_t e = (x.bits >> 3) & 0xfu, m = x.bits & 7u;
+  float f;
+  if (e == 0xf && m == 7) {
+    const uint32_t nan = sign | 0x7fc00000u;
+    std::memcpy(&f, &nan, 4);
+    return f;
+  }
+  if (e == 0) {
+    f = static_cast<float>(m) * 0.001953125f;  // m * 2^-9
+  } else {
+    const uint32_t u = ((e + 120) << 23) | (m << 20);
+    std::memcpy(&f, &u, 4);
+  }
+  return sign ? -f : f;
+}
+
+// All 256 e4m3 values, for table lookups in the vector loads.
+inline const float* f8e4m3_table() {
+  static const std::array<float, 256> t = [] {
+    std::array<float, 256> a{};
+    for (int i = 0; i < 256; ++i) a[i] = to_float(f8e4m3{static_cast<uint8_t>(i)});
+    return a;
+  }();
+  return t.data();
+}
+
 template <typename T> inline T from_float(float x);
 template <> inline float from_float<float>(float x) { return x; }
 
@@ -83,6 +118,59 @@ template <> inline f16 from_float<f16>(float x) {
   uint32_t r = u - 0x38000000u;  // rebias exponent 127 -> 15
   r += 0xfffu + ((r >> 13) & 1u);
   return f16{static_cast<uint16_t>(sign | (r >> 13))};
+}
+
+// Round to nearest even as torch (c10's Float8_e5m2): beyond the range, inf; NaN kept.
+template <> inline f8e5m2 from_float<f8e5m2>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint32_t sign = u & 0x80000000u;
+  u ^= sign;
+  uint8_t r;
+  if (u >= (143u << 23)) {
+    r = u > 0x7f800000u ? 0x7f : 0x7c;
+  } else if (u < (113u << 23)) {  // subnormal in e5m2: let the float adder round
+    float f, dm;
+    const uint32_t denorm = 134u << 23;
+    std::memcpy(&f, &u, 4);
+    std::memcpy(&dm, &denorm, 4);
+    f += dm;
+    std::memcpy(&u, &f, 4);
+    r = static_cast<uint8_t>(u - denorm);
+  } else {
+    const uint32_t odd = (u >> 21) & 1u;
+    u += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffffu + odd;
+    r = static_cast<uint8_t>(u >> 21);
+  }
+  return f8e5m2{static_cast<uint8_t>(r | (sign >> 24))};
+}
+
+// Round to nearest even as torch (c10's Float8_e4m3fn), but saturating at +-448 instead of
+// NaN (a KV cache entry out of range keeps its sign and largest magnitude); NaN kept.
+template <> inline f8e4m3 from_float<f8e4m3>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint32_t sign = u & 0x80000000u;
+  u ^= sign;
+  uint8_t r;
+  if (u > 0x7f800000u) {
+    r = 0x7f;
+  } else if (u > 0x43e80000u) {  // above 464: would round past 448
+    r = 0x7e;
+  } else if (u < (121u << 23)) {
+    float f, dm;
+    const uint32_t denorm = 141u << 23;
+    std::memcpy(&f, &u, 4);
+    std::memcpy(&dm, &denorm, 4);
+    f += dm;
+    std::memcpy(&u, &f, 4);
+    r = static_cast<uint8_t>(u - denorm);
+  } else {
+    const uint32_t odd = (u >> 20) & 1u;
+    u += (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu + odd;
+    r = static_cast<uint8_t>(u >> 20);
+  }
+  return f8e4m3{static_cast<uint8_t>(r | (sign >> 24))};
 }
 
 }  // namespace

@@ -30,10 +30,11 @@ struct KernelTable {
   void (*gelu_and_mul)(float* out, const float* x, int64_t tokens, int64_t d, int64_t x_stride,
                        int64_t out_stride, bool tanh_approx);
   // k_cache/v_cache [num_blocks, Hk, block_size, D] of cache_dtype; slot -1 is skipped.
+  // The cache holds key / k_scale and value / v_scale (float8's per-tensor scales; 1 otherwise).
   void (*reshape_and_cache)(const float* key, const float* value, void* k_cache, void* v_cache,
                             DType cache_dtype, const int64_t* slot_mapping, int64_t tokens,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            int64_t key_stride, int64_t value_stride);
+                            int64_t key_stride, int64_t value_stride, float k_scale, float v_scale);
   // Paged attention for a batch of sequences, each contributing q_len = qsl[s+1]-qsl[s]
   // query tokens that are the last q_len positions of its seq_lens[s] context. Query
   // head i uses kv head (i + q_head_offset) / group (GQA; an offset when a
@@ -44,7 +45,7 @@ struct KernelTable {
                           int64_t num_q_heads, int64_t num_kv_heads, int64_t group, int64_t q_head_offset,
                           int64_t head_dim,
                           int64_t block_size, float scale, int64_t sliding_window, float softcap,
-                          int64_t q_stride, int64_t out_stride);
+                          int64_t q_stride, int64_t out_stride, float k_scale, float v_scale);
   // Packs W [N, K] (row-major, dtype wdt) into panels [ceil(N/nr)][K][nr], zero padded.
   void (*pack_weight)(void* dst, const void* src, DType wdt, int64_t n, int64_t k);
   // C[M, N] = A[M, K] @ W^T (+ bias), W packed by pack_weight. Every output element is

@@ -56,10 +56,23 @@ def torch_gemm_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> fl
     return 2 * n ** 3 / _best(lambda: torch.mm(a, b), repeats) / GB
 
 
-def kernel_gflops(dtype: torch.dtype, m: int, k: int, n: int, repeats: int = 20) -> float:
+def random_q4_1(n: int, k: int):
+    """A [n, k] Q4_1 weight (the default model's layer type) quantized from random values."""
+    import gguf
+    import numpy as np
+
+    from cpuserve.loading.quant_tensor import QuantTensor
+
+    raw = gguf.quants.quantize(torch.randn(n, k).numpy(), gguf.GGMLQuantizationType.Q4_1).view(np.uint8)
+    return QuantTensor(torch.from_numpy(np.ascontiguousarray(raw).reshape(n, -1)), 3, k)
+
+
+def kernel_gflops(dtype: torch.dtype | str, m: int, k: int, n: int, repeats: int = 20) -> float:
+    """Our GEMM on the model's MLP shape: dense in `dtype`, or "gguf" (Q4_1 blocks)."""
     from cpuserve.model_executor import ops
 
-    w, x = ops.PackedWeight(torch.randn(n, k).to(dtype)), torch.randn(m, k)
+    w = ops.pack(random_q4_1(n, k) if dtype == "gguf" else torch.randn(n, k), dtype)
+    x = torch.randn(m, k)
     out = torch.empty(m, n)
     return 2 * m * n * k / _best(lambda: ops.linear(x, w, out=out), repeats) / GB
 
@@ -68,7 +81,7 @@ def measure_machine(hidden: int, ffn: int) -> Machine:
     kinds = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     return Machine(torch.get_num_threads(), read_bandwidth(),
                    {k: torch_gemm_gflops(d) for k, d in kinds.items()},
-                   {k: kernel_gflops(d, 64, hidden, ffn) for k, d in kinds.items()})
+                   {k: kernel_gflops(d, 64, hidden, ffn) for k, d in {**kinds, "gguf": "gguf"}.items()})
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -135,32 +148,26 @@ def decode_steps(llm, batch: int, tokens: int, prompt_len: int = 16) -> tuple[fl
 def model_size(llm) -> tuple[int, int]:
     """(bytes a decode step reads from the weights, parameters multiplied per token): every
     packed linear weight, the LM head included, not the embedding table (one row a token)."""
-    from cpuserve.model_executor import ops
-    from cpuserve.worker.model_runner import tensor_bytes
+    from cpuserve.worker.model_runner import packed_weights, tensor_bytes
 
     model = llm.engine.runner.model
-    packed, seen, stack = [], set(), [model]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, torch.Tensor):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, ops.PackedWeight):
-            packed.append(obj)
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-        elif hasattr(obj, "__dict__"):
-            stack.extend(vars(obj).values())
+    head = {id(w) for w in packed_weights(model.lm_head)}
+    lookup = {id(w) for w in packed_weights(getattr(model, "embed", None))} - head
+    packed = [w for w in packed_weights(model) if id(w) not in lookup]
     return sum(tensor_bytes(w.data) for w in packed), sum(w.n * w.k for w in packed)
 
 
-def run(dtypes=("float32", "bfloat16"), batch: int = 64, tokens: int = 32) -> dict:
+ENGINES = ("gguf", "float32", "bfloat16")  # the default GGUF in its blocks (Q4_1), or widened to a dtype
+
+
+def run(dtypes=ENGINES, batch: int = 64, tokens: int = 32) -> dict:
     from cpuserve import LLM
 
     out: dict = {"engines": {}}
     machine = None
     for dtype in dtypes:
-        llm = LLM(dtype=dtype, kv_cache_space=1.0)
+        llm = LLM(dtype="float32" if dtype == "gguf" else dtype, quantization="gguf" if dtype == "gguf" else "none",
+                  kv_cache_space=1.0)
         c = llm.engine.runner.hf_config
         if machine is None:
             machine = measure_machine(c.hidden_size, c.intermediate_size)

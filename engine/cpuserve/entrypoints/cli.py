@@ -22,7 +22,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="Hugging Face directory or .gguf file (default: packaged SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16", "fp8_e5m2", "fp8_e4m3", "fp8"],
+                   help="fp8_e5m2 / fp8_e4m3 (fp8): one byte a value, with chunked prefill and prefix caching")
+    p.add_argument("--quantization", "-q", default="auto", choices=["auto", "gguf", "none"],
+                   help="auto: a GGUF keeps its quantized blocks (gguf); none: widen every weight to --dtype")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--kv-cache-space", type=float, default=None,
                    help="GiB for the KV cache (default: VLLM_CPU_KVCACHE_SPACE, else 4)")
@@ -41,7 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
-    return dict(model=a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size,
+    return dict(model=a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,
+                quantization=a.quantization, block_size=a.block_size,
                 kv_cache_space=a.kv_cache_space, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                 enable_prefix_caching=a.enable_prefix_caching, enable_chunked_prefill=a.enable_chunked_prefill,
@@ -188,7 +193,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     from cpuserve.entrypoints import bench
 
-    r = bench.run(tuple(a.dtype or ("float32", "bfloat16")), a.batch, a.tokens)
+    r = bench.run(tuple(a.dtype or bench.ENGINES), a.batch, a.tokens)
     print(json.dumps(r, indent=1) if a.json else bench.format_report(r, a.batch))
     return 0
 
@@ -241,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     t.set_defaults(func=cmd_topology)
     bn = sub.add_parser("bench", help="this machine's roofline (bandwidth, GEMM peaks) and where the default "
                                       "model's decode sits on it, with the profile of a decode step")
-    bn.add_argument("--dtype", action="append", choices=["float32", "bfloat16"], help="repeatable (default: both)")
+    bn.add_argument("--dtype", action="append", choices=["gguf", "float32", "bfloat16"],
+                    help="repeatable (default: all): gguf = the default model's Q4_1 blocks, else widened")
     bn.add_argument("--batch", type=int, default=64, help="the large batch measured (default 64)")
     bn.add_argument("--tokens", type=int, default=32, help="decode steps measured per batch size")
     bn.add_argument("--json", action="store_true", help="machine-readable output")

@@ -1,9 +1,11 @@
-"""GGUF files: converted once into a Hugging Face directory (config.json,
-model.safetensors with dequantized float32 weights, tokenizer files with the
-chat template), cached by file identity so later starts load in about a second.
+"""GGUF files: their metadata converted once into a Hugging Face directory
+(config.json, tokenizer files with the chat template, and a pointer back to the
+file), cached by file identity; the weights are read from the GGUF itself at
+every start (GGUFTensors): quantized tensors stay in their blocks (QuantTensor),
+float ones become tensors, and with quantization "none" every tensor is widened.
 
-The conversion undoes what llama.cpp's converter did: tensor names go back to
-Hugging Face names and the q/k row permutation of Llama rotary is reversed.
+Reading undoes what llama.cpp's converter did: tensor names go back to Hugging
+Face names and the q/k row permutation of Llama rotary is reversed.
 """
 from __future__ import annotations
 
@@ -11,11 +13,14 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from cpuserve.loading.quant_tensor import QTYPES, QuantTensor
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 
@@ -131,11 +136,8 @@ def _config(reader, arch: str, tensor_names: set[str]) -> dict:
     return cfg
 
 
-def convert(path: Path, out: Path) -> None:
+def open_reader(path: Path):
     import gguf
-    from safetensors.torch import save_file
-
-    from cpuserve.loading.gguf_tokenizer import write_tokenizer
 
     try:
         reader = gguf.GGUFReader(str(path))
@@ -145,30 +147,108 @@ def convert(path: Path, out: Path) -> None:
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: "
                          f"{', '.join(SUPPORTED_ARCHS)}); use the model's Hugging Face directory instead")
-    names = {t.name for t in reader.tensors}
-    cfg = _config(reader, arch, names)
+    return reader, arch
+
+
+def tensor_index(reader, arch: str, cfg: dict) -> dict:
+    """Where each tensor lies in the file, by Hugging Face name (kept beside the config, so
+    that a start does not parse the file's metadata again: the vocabulary alone takes seconds)."""
     tensors = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists ne0 (columns) first
-        # a writable copy: the reader's arrays are views of the read-only memory map
-        w = torch.from_numpy(dequantize(t.data, t.tensor_type, reader.byte_order == "S")).reshape(shape)
-        if arch == "llama" and name.endswith("q_proj.weight"):
-            w = unpermute_rotary(w, cfg["num_attention_heads"])
-        elif arch == "llama" and name.endswith("k_proj.weight"):
-            w = unpermute_rotary(w, cfg["num_key_value_heads"])
-        tensors[name] = w.contiguous()
-    save_file(tensors, str(out / "model.safetensors"))
+        tensors[hf_name(t.name)] = {
+            "gguf_name": t.name, "type": int(t.tensor_type), "type_name": t.tensor_type.name,
+            "shape": [int(x) for x in reversed(t.shape.tolist())],  # GGUF lists ne0 (columns) first
+            "offset": int(t.data_offset), "n_bytes": int(t.n_bytes), "n_elements": int(t.n_elements)}
+    return {"arch": arch, "swapped": reader.byte_order == "S", "tensors": tensors,
+            "heads": {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}}
+
+
+def convert(path: Path, out: Path) -> None:
+    """config.json, the tokenizer files, the tensor index and cpuserve_source.json (the GGUF's path)."""
+    from cpuserve.loading.gguf_tokenizer import write_tokenizer
+
+    reader, arch = open_reader(path)
+    cfg = _config(reader, arch, {t.name for t in reader.tensors})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "gguf_tensors.json").write_text(json.dumps(tensor_index(reader, arch, cfg)))
     write_tokenizer(reader, path, out)
     (out / "cpuserve_source.json").write_text(json.dumps({"gguf": str(path)}))
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file a converted directory stands for, or None for a Hugging Face directory."""
+    src = Path(model_dir) / "cpuserve_source.json"
+    return Path(json.loads(src.read_text())["gguf"]) if src.exists() else None
+
+
+class GGUFTensors:
+    """Hugging Face name -> tensor, read from the GGUF file when popped, with plain file
+    reads at the offsets of the converted directory's index (no memory map: no mapped page
+    of the weights stays resident). Quantized tensors of the types the kernels run come as
+    QuantTensor unless `dequantize`; every other one as float32 (F16 as is)."""
+
+    def __init__(self, model_dir: Path, dequantize: bool = False):
+        index = json.loads((Path(model_dir) / "gguf_tensors.json").read_text())
+        self.path, self.dequantize = gguf_source(model_dir), dequantize
+        self.arch, self.swapped, self.heads = index["arch"], index["swapped"], index["heads"]
+        self._where = index["tensors"]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __iter__(self):
+        return iter(list(self._where))
+
+    def pop(self, name: str, *default):
+        t = self._where.pop(name, None)
+        if t is None:
+            if default:
+                return default[0]
+            raise KeyError(name)
+        w = self._read(t)
+        proj = name.rsplit(".", 2)[-2]
+        if self.arch == "llama" and proj in self.heads:
+            rows = unpermute_rotary(torch.arange(w.shape[0]).unsqueeze(1), self.heads[proj]).squeeze(1)
+            w = w.permute_rows(rows) if isinstance(w, QuantTensor) else w[rows].contiguous()
+        return w
+
+    def _read(self, t: dict):
+        import gguf
+
+        buf = bytearray(t["n_bytes"])
+        with open(self.path, "rb") as fh:
+            fh.seek(t["offset"])
+            if fh.readinto(buf) != len(buf):
+                raise ValueError(f"{self.path}: truncated data for tensor {t['gguf_name']}")
+        shape, qtype = tuple(t["shape"]), t["type"]
+        raw = np.frombuffer(buf, dtype=np.uint8)
+        if qtype in QTYPES and not self.dequantize and len(shape) == 2:
+            if self.swapped:
+                raw = swap_block_fields(raw, t["type_name"])
+            return QuantTensor(torch.from_numpy(np.array(raw).reshape(shape[0], -1)), qtype, shape[1])
+        kind = gguf.GGMLQuantizationType(qtype)
+        if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            dt = np.dtype(np.float32 if kind == gguf.GGMLQuantizationType.F32 else np.float16)
+            file_order = ">" if self.swapped != (sys.byteorder == "big") else "<"
+            arr = np.frombuffer(buf, dtype=dt.newbyteorder(file_order))
+            return torch.from_numpy(arr.astype(dt.newbyteorder("="))).reshape(shape)
+        return torch.from_numpy(dequantize(raw, kind, self.swapped)).reshape(shape)
+
+
+def weight_bytes(model_dir: Path, dequantize_to: torch.dtype | None) -> int:
+    """Resident weight bytes of a converted GGUF: its tensor data as stored, or widened to a dtype."""
+    tensors = json.loads((Path(model_dir) / "gguf_tensors.json").read_text())["tensors"].values()
+    if dequantize_to is None:
+        return sum(t["n_bytes"] for t in tensors)
+    size = torch.tensor([], dtype=dequantize_to).element_size()
+    return sum(t["n_elements"] * size for t in tensors)
 
 
 def converted_dir(path: str | os.PathLike) -> Path:
     """The cached Hugging Face directory for a GGUF file, converting it on first use."""
     path = Path(path).resolve()
     st = path.stat()
-    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|v2".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|v4".encode()).hexdigest()[:16]
     out = cache_root() / "gguf" / f"{path.stem}-{key}"
     if (out / "config.json").exists():
         return out

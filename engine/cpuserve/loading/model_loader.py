@@ -143,6 +143,29 @@ def from_le_bytes(buf: bytearray, dtype: torch.dtype, shape, big_endian_host: bo
     return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
-def load_state_dict(model_dir: Path) -> LazyTensors:
-    """The directory's safetensors tensors, read lazily."""
+QUANTIZATIONS = ("auto", "gguf", "none")
+
+
+def checkpoint_quantization(model_dir: Path, requested: str | None) -> str:
+    """How the weights are kept: "gguf" (a GGUF's quantized tensors in their blocks, the
+    default for a GGUF) or "none" (every weight widened to the model dtype)."""
+    from cpuserve.loading.gguf_loader import gguf_source
+
+    requested = requested or "auto"
+    if requested not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {requested!r}")
+    found = "gguf" if gguf_source(model_dir) is not None else "none"
+    if requested == "gguf" and found != "gguf":
+        raise ValueError(f"quantization='gguf' needs a .gguf model file; {model_dir} is not one")
+    return found if requested == "auto" else requested
+
+
+def load_state_dict(model_dir: Path, quantization: str = "none"):
+    """The checkpoint's tensors, read lazily: a directory's safetensors, or the GGUF a
+    converted directory points to (quantized tensors kept unless quantization is "none")."""
+    from cpuserve.loading.gguf_loader import GGUFTensors, gguf_source
+
+    src = gguf_source(model_dir)
+    if src is not None:
+        return GGUFTensors(model_dir, dequantize=quantization == "none")
     return LazyTensors(sorted(model_dir.glob("*.safetensors")))

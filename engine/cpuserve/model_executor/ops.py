@@ -15,6 +15,9 @@ import torch
 from cpuserve import _C
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+for _code, _name in ((3, "float8_e5m2"), (4, "float8_e4m3fn")):  # KV cache only; torch >= 2.1
+    if hasattr(torch, _name):
+        DTYPE_CODES[getattr(torch, _name)] = _code
 
 
 def _load_kernels() -> "_C.Kernels":
@@ -90,20 +93,22 @@ def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh", k=KERNELS) -> torch
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor, k=KERNELS) -> None:
-    """key/value: [T, Hk*D] float32 (rows may be strided); caches [blocks, Hk, block_size, D]."""
+                      slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0, k=KERNELS) -> None:
+    """key/value: [T, Hk*D] float32 (rows may be strided); caches [blocks, Hk, block_size, D]
+    holding key / k_scale and value / v_scale (a float8 cache's per-tensor scales)."""
     _f32(key, "key")
     _f32(value, "value")
     _, hk, bs, d = k_cache.shape
     k.reshape_and_cache(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                         _dtype_code(k_cache.dtype), slot_mapping.data_ptr(), key.shape[0], hk, d, bs,
-                        key.stride(0), value.stride(0))
+                        key.stride(0), value.stride(0), k_scale, v_scale)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_heads: int, scale: float,
                     sliding_window: int = 0, softcap: float = 0.0, out: torch.Tensor | None = None,
-                    group: int | None = None, q_head_offset: int = 0, k=KERNELS) -> torch.Tensor:
+                    group: int | None = None, q_head_offset: int = 0, k_scale: float = 1.0, v_scale: float = 1.0,
+                    k=KERNELS) -> torch.Tensor:
     """q: [T, Hq*D] float32 -> out [T, Hq*D] float32. Query head i uses kv head
     (i + q_head_offset) // group; group defaults to Hq / Hk (plain GQA)."""
     _f32(q, "q")
@@ -122,7 +127,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     k.paged_attention(out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                       _dtype_code(k_cache.dtype), block_tables.data_ptr(), block_tables.shape[1],
                       seq_lens.data_ptr(), query_start_loc.data_ptr(), seq_lens.shape[0], num_heads, hk, group,
-                      q_head_offset, d, bs, scale, sliding_window, softcap, q.stride(0), out.stride(0))
+                      q_head_offset, d, bs, scale, sliding_window, softcap, q.stride(0), out.stride(0), k_scale,
+                      v_scale)
     return out
 
 
@@ -147,13 +153,98 @@ class PackedWeight:
         return self.data.numel() * self.data.element_size()
 
 
-def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+class QuantWeight:
+    """A [N, K] GGUF block-quantized weight (loading.quant_tensor.QuantTensor), its blocks
+    regrouped into the quantized GEMM's panels: the same bytes, never widened."""
+
+    __slots__ = ("data", "n", "k", "qtype", "type_name")
+
+    def __init__(self, weight, k=KERNELS):
+        self.n, self.k = weight.shape
+        self.qtype, self.type_name = weight.qtype, weight.type_name
+        self.data = torch.empty(k.qpacked_bytes(self.qtype, self.n, self.k), dtype=torch.uint8)
+        k.qpack(self.data.data_ptr(), weight.data.data_ptr(), self.qtype, self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+class StackedWeight:
+    """Row blocks of different storage (a fused projection whose parts were quantized to
+    different types, as in Q4_K_M files): each part fills its own output columns."""
+
+    __slots__ = ("parts", "n", "k")
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.n, self.k = sum(p.n for p in parts), parts[0].k
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+# Weight kinds are told by their attributes, not their classes: a test may reload this module
+# (CPUSERVE_ISA) while models built with the earlier classes are still alive.
+def is_stacked(w) -> bool:
+    return hasattr(w, "parts")
+
+
+def is_quantized(w) -> bool:
+    return hasattr(w, "qtype")
+
+
+def is_packed(w) -> bool:
+    """A GEMM weight of any kind (ops.pack's result, stacked ones excepted)."""
+    return not isinstance(w, torch.Tensor) and hasattr(w, "data") and hasattr(w, "n") and hasattr(w, "k") \
+        and (hasattr(w, "qtype") or hasattr(w, "dtype"))
+
+
+def pack(weight, dtype: torch.dtype):
+    """The GEMM form of a weight: dense tensors packed in `dtype`, quantized ones in their
+    blocks, a list of row blocks (loading.quant_tensor.cat_rows) part by part."""
+    if isinstance(weight, list):
+        return StackedWeight([pack(p, dtype) for p in weight])
+    if isinstance(weight, torch.Tensor):
+        return PackedWeight(weight.to(dtype))
+    return QuantWeight(weight)
+
+
+def storage_name(w) -> str:
+    """How a packed weight is stored: 'float32', 'Q4_1', 'Q5_0+Q8_0', ..."""
+    if is_stacked(w):
+        return "+".join(dict.fromkeys(storage_name(p) for p in w.parts))
+    return w.type_name if is_quantized(w) else str(w.dtype).removeprefix("torch.")
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
            k=KERNELS) -> torch.Tensor:
-    """x [M, K] float32 @ W^T (+ bias) -> [M, N] float32."""
+    """x [M, K] float32 @ W^T (+ bias) -> [M, N] float32; W from pack()."""
     _f32(x, "x")
     if x.shape[1] != w.k:
         raise ValueError(f"linear: input has {x.shape[1]} features, weight expects {w.k}")
     out = torch.empty((x.shape[0], w.n), dtype=torch.float32) if out is None else out
-    k.gemm(out.data_ptr(), x.data_ptr(), w.data.data_ptr(), _dtype_code(w.dtype),
-           bias.data_ptr() if bias is not None else 0, x.shape[0], w.n, w.k, x.stride(0), out.stride(0))
+    parts = w.parts if is_stacked(w) else [w]
+    col = 0
+    for p in parts:
+        o = out[:, col:col + p.n] if len(parts) > 1 else out
+        b = 0 if bias is None else bias[col:col + p.n].data_ptr()
+        if is_quantized(p):
+            k.qgemm(o.data_ptr(), x.data_ptr(), p.data.data_ptr(), p.qtype, b, x.shape[0], p.n, p.k, x.stride(0),
+                    o.stride(0))
+        else:
+            k.gemm(o.data_ptr(), x.data_ptr(), p.data.data_ptr(), _dtype_code(p.dtype), b, x.shape[0], p.n, p.k,
+                   x.stride(0), o.stride(0))
+        col += p.n
+    return out
+
+
+def dequantized_rows(w: QuantWeight, ids: torch.Tensor, k=KERNELS) -> torch.Tensor:
+    """float32 rows `ids` of a quantized weight (an embedding lookup): [len(ids), K]."""
+    ids = ids.to(torch.int64).contiguous()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= w.n):
+        raise IndexError(f"row index out of range for a weight of {w.n} rows")
+    out = torch.empty((ids.numel(), w.k), dtype=torch.float32)
+    k.qrows(out.data_ptr(), w.data.data_ptr(), w.qtype, ids.data_ptr(), ids.numel(), w.k)
     return out

@@ -48,18 +48,26 @@ def gelu_and_mul(x, approximate="tanh"):
     return torch.nn.functional.gelu(x[..., :d].double(), approximate=approximate).float() * x[..., d:]
 
 
-def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping):
+def to_cache(x, dtype, scale=1.0):
+    """x / scale in a cache dtype; float8 e4m3 saturates at +-448 (torch's cast would give NaN)."""
+    x = x / scale if scale != 1.0 else x
+    if dtype == getattr(torch, "float8_e4m3fn", None):
+        x = x.clamp(-448.0, 448.0)
+    return x.to(dtype)
+
+
+def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
     _, hk, bs, d = k_cache.shape
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
         b, off = divmod(slot, bs)
-        k_cache[b, :, off] = key[t].view(hk, d).to(k_cache.dtype)
-        v_cache[b, :, off] = value[t].view(hk, d).to(v_cache.dtype)
+        k_cache[b, :, off] = to_cache(key[t].view(hk, d), k_cache.dtype, k_scale)
+        v_cache[b, :, off] = to_cache(value[t].view(hk, d), v_cache.dtype, v_scale)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_heads, scale,
-                    sliding_window=0, softcap=0.0, group=None, q_head_offset=0):
+                    sliding_window=0, softcap=0.0, group=None, q_head_offset=0, k_scale=1.0, v_scale=1.0):
     """Gathers each sequence's keys/values from the cache and runs masked softmax attention;
     query head i uses kv head (i + q_head_offset) // group."""
     _, hk, bs, d = k_cache.shape
@@ -71,8 +79,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         q0, q1 = int(query_start_loc[s]), int(query_start_loc[s + 1])
         nblk = math.ceil(ctx / bs)
         blocks = block_tables[s, :nblk].long()
-        keys = k_cache[blocks].double().permute(1, 0, 2, 3).reshape(hk, nblk * bs, d)[:, :ctx]
-        vals = v_cache[blocks].double().permute(1, 0, 2, 3).reshape(hk, nblk * bs, d)[:, :ctx]
+        keys = k_cache[blocks].double().permute(1, 0, 2, 3).reshape(hk, nblk * bs, d)[:, :ctx] * k_scale
+        vals = v_cache[blocks].double().permute(1, 0, 2, 3).reshape(hk, nblk * bs, d)[:, :ctx] * v_scale
         keys, vals = keys[kv_of], vals[kv_of]
         qs = q[q0:q1].view(q1 - q0, num_heads, d).double().transpose(0, 1)  # [H, L, D]
         scores = qs @ keys.transpose(1, 2) * scale  # [H, L, ctx]

@@ -12,6 +12,22 @@ _NAMES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float3
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
+# KV cache only: OCP float8 (vLLM's names; "fp8" is e4m3, as in vLLM). torch < 2.1 has no float8.
+FP8_KV = {name: getattr(torch, attr) for name, attr in (("fp8_e5m2", "float8_e5m2"), ("fp8_e4m3", "float8_e4m3fn"),
+                                                          ("fp8", "float8_e4m3fn")) if hasattr(torch, attr)}
+
+
+def resolve_kv_dtype(requested: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's storage dtype: `auto` = the model's, a float dtype, or fp8_e5m2 / fp8_e4m3."""
+    if requested == "auto":
+        return model_dtype
+    if requested in ("fp8_e5m2", "fp8_e4m3", "fp8"):
+        if requested not in FP8_KV:
+            raise ValueError(f"kv_cache_dtype {requested} needs torch >= 2.1 (float8 dtypes); this is {torch.__version__}")
+        return FP8_KV[requested]
+    return resolve_dtype(requested, None)
+
+
 def supported_dtypes() -> list[torch.dtype]:
     """Storage dtypes the kernels run on this machine. float16 needs hardware
     conversions (x86 F16C, AArch64); s390x z14 has none."""

@@ -13,12 +13,12 @@ import torch
 from cpuserve.config import EngineConfig
 from cpuserve.core.scheduler import ScheduledBatch
 from cpuserve.core.sequence import Sequence
-from cpuserve.loading.model_loader import load_config, load_state_dict, resolve
+from cpuserve.loading.model_loader import checkpoint_quantization, load_config, load_state_dict, resolve
 from cpuserve.model_executor import models
 from cpuserve.model_executor.context import ForwardContext, set_context
 from cpuserve.model_executor.models.common import Weights
 from cpuserve.model_executor.parallel import TPGroup
-from cpuserve.platform.isa import resolve_dtype
+from cpuserve.platform.isa import resolve_dtype, resolve_kv_dtype
 from cpuserve.worker import kv_cache
 from cpuserve.worker.input_batch import blocks_for, packed_inputs, prepare_inputs, scoring_inputs
 from cpuserve.worker.sampler import Sampler
@@ -59,13 +59,50 @@ def tensor_bytes(root) -> int:
     return total
 
 
-def weights_in_memory(model_dir: Path, dtype: torch.dtype) -> int:
+def packed_weights(root) -> list:
+    """Every GEMM weight reachable from a model (ops.pack's results, stacked ones by part)."""
+    from cpuserve.model_executor import ops
+
+    out, seen, stack = [], set(), [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, torch.Tensor):
+            continue
+        seen.add(id(obj))
+        if ops.is_stacked(obj):
+            stack.extend(obj.parts)
+        elif ops.is_packed(obj):
+            out.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+    return out
+
+
+def storage_summary(root) -> str:
+    """'Q4_1 62.5 MiB (210), Q8_0 29.9 MiB (1)': the GEMM weights' bytes per storage format."""
+    from cpuserve.model_executor import ops
+
+    by: dict[str, list[int]] = {}
+    for w in packed_weights(root):
+        entry = by.setdefault(ops.storage_name(w), [0, 0])
+        entry[0] += w.nbytes
+        entry[1] += 1
+    return ", ".join(f"{k} {b / 2**20:.1f} MiB ({n})" for k, (b, n) in sorted(by.items(), key=lambda e: -e[1][0]))
+
+
+def weights_in_memory(model_dir: Path, dtype: torch.dtype, quantization: str = "none") -> int:
     """The weights' bytes once loaded as `dtype`, from the safetensors headers (element counts)
     without reading the tensors; other formats count their files' size."""
     import json
     import struct
 
+    from cpuserve.loading import gguf_loader
+
     p = Path(model_dir)
+    if p.is_dir() and gguf_loader.gguf_source(p) is not None:
+        return gguf_loader.weight_bytes(p, dtype if quantization == "none" else None)
     files = [p] if p.is_file() else [f for f in p.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf", ".pt")]
     size = torch.tensor([], dtype=dtype).element_size()
     total = 0
@@ -96,8 +133,9 @@ class ModelRunner:
         self.hf_config = load_config(self.model_dir)
         cls = models.model_class(self.hf_config)  # unknown architecture: fail before reading weights
         self.dtype = resolve_dtype(config.dtype, checkpoint_dtype(self.hf_config))
+        self.quantization = checkpoint_quantization(self.model_dir, config.quantization)
         kv = config.kv_cache_dtype
-        self.kv_dtype = self.dtype if kv == "auto" else resolve_dtype(kv, None)
+        self.kv_dtype = resolve_kv_dtype(kv, self.dtype)
         self.block_size = config.block_size
         self.max_model_len = max_model_len(self.hf_config, config.max_model_len)
         if tp is None:  # rank 0: what the container's memory allows is settled before any rank starts
@@ -116,6 +154,8 @@ class ModelRunner:
         log.info("rank %d/%d loaded %s (%s) in %.2fs: dtype=%s kv=%s blocks=%d x %d tokens, max_model_len=%d",
                  tp.rank, tp.size, self.model_dir, type(self.model).__name__, self.load_seconds, self.dtype,
                  self.kv_dtype, self.num_blocks, self.block_size, self.max_model_len)
+        log.info("rank %d/%d weights: %.1f MiB resident, quantization=%s; GEMM weights as stored: %s", tp.rank,
+                 tp.size, self.weight_bytes / 2**20, self.quantization, storage_summary(self.model))
 
     def _start_rank0(self):
         from cpuserve.worker.tp_ranks import start_rank0
@@ -127,7 +167,8 @@ class ModelRunner:
 
     def _load(self, cls) -> None:
         """Weights, then the KV cache; rank 0 then waits for the other ranks to be ready."""
-        self.model = cls(self.hf_config, Weights(load_state_dict(self.model_dir)), self.dtype, self.tp)
+        self.model = cls(self.hf_config, Weights(load_state_dict(self.model_dir, self.quantization)), self.dtype,
+                         self.tp)
         self.weight_bytes = tensor_bytes(self.model)  # before the KV cache is bound to the layers
         self.num_blocks, self.kv_cache = self._allocate_kv_cache()
         if self.ranks is not None:
@@ -140,7 +181,7 @@ class ModelRunner:
         every rank's KV cache and each further rank's own runtime. Returns the limit."""
         limit, used = kv_cache.memory_budget()
         size = self.config.tensor_parallel_size
-        weights = weights_in_memory(self.model_dir, self.dtype)
+        weights = weights_in_memory(self.model_dir, self.dtype, self.quantization)
         others = (size - 1) * kv_cache.process_baseline() if limit is not None else 0
         if self.config.kv_cache_space_default:
             self._size_kv_cache(limit, used + others, weights)

@@ -25,11 +25,18 @@ constexpr int64_t kQTile = 16;
 // Rows [row0, row0 + rows) of one sequence, query heads [g0, g1) of kv head kv_head's group.
 struct AttnItem { int32_t seq, kv_head, row0, rows, g0, g1; };
 
+// dst = src * scale (scale: the float8 cache's per-tensor scale, 1 otherwise).
 template <typename T>
-inline void convert_to_float(float* dst, const T* src, int64_t n) {
+inline void convert_to_float(float* dst, const T* src, int64_t n, float scale) {
   int64_t i = 0;
-  for (; i + VecF::N <= n; i += VecF::N) VecF::load(src + i).store(dst + i);
-  for (; i < n; ++i) dst[i] = to_float(src[i]);
+  if (scale == 1.f) {
+    for (; i + VecF::N <= n; i += VecF::N) VecF::load(src + i).store(dst + i);
+    for (; i < n; ++i) dst[i] = to_float(src[i]);
+    return;
+  }
+  const VecF sv = VecF::set1(scale);
+  for (; i + VecF::N <= n; i += VecF::N) (VecF::load(src + i) * sv).store(dst + i);
+  for (; i < n; ++i) dst[i] = to_float(src[i]) * scale;
 }
 
 inline float dot(const float* a, const float* b, int64_t d) {
@@ -84,7 +91,7 @@ void paged_attention_t(float* out, const float* q, const T* k_cache, const T* v_
                        const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
                        const int32_t* qsl, int64_t num_seqs, int64_t hq, int64_t hk, int64_t group,
                        int64_t q_off, int64_t d, int64_t bs, float scale, int64_t window, float softcap,
-                       int64_t q_stride, int64_t out_stride) {
+                       int64_t q_stride, int64_t out_stride, float k_scale, float v_scale) {
   constexpr bool kConvert = !std::is_same<T, float>::value;
   // Local query head i attends with kv head (i + q_off) / group: with q_off = 0 and
   // hq = hk * group this is plain GQA; a tensor-parallel rank holding part of a
@@ -154,8 +161,8 @@ void paged_attention_t(float* out, const float* q, const T* k_cache, const T* v_
         const float* kb;
         const float* vb;
         if constexpr (kConvert) {
-          convert_to_float(kbuf + blk_lo * d, k_cache + tile + blk_lo * d, (blk_hi - blk_lo + 1) * d);
-          convert_to_float(vbuf + blk_lo * d, v_cache + tile + blk_lo * d, (blk_hi - blk_lo + 1) * d);
+          convert_to_float(kbuf + blk_lo * d, k_cache + tile + blk_lo * d, (blk_hi - blk_lo + 1) * d, k_scale);
+          convert_to_float(vbuf + blk_lo * d, v_cache + tile + blk_lo * d, (blk_hi - blk_lo + 1) * d, v_scale);
           kb = kbuf;
           vb = vbuf;
         } else {
@@ -223,20 +230,20 @@ void paged_attention_impl(float* out, const float* q, const void* k_cache, const
                           DType dt, const int32_t* block_tables, int64_t max_blocks,
                           const int32_t* seq_lens, const int32_t* qsl, int64_t num_seqs, int64_t hq,
                           int64_t hk, int64_t group, int64_t q_off, int64_t d, int64_t bs, float scale,
-                          int64_t window, float softcap, int64_t q_stride, int64_t out_stride) {
+                          int64_t window, float softcap, int64_t q_stride, int64_t out_stride, float k_scale,
+                          float v_scale) {
+  auto run = [&](auto* type_tag) {
+    using T = std::remove_pointer_t<decltype(type_tag)>;
+    paged_attention_t(out, q, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), block_tables,
+                      max_blocks, seq_lens, qsl, num_seqs, hq, hk, group, q_off, d, bs, scale, window, softcap,
+                      q_stride, out_stride, k_scale, v_scale);
+  };
   switch (dt) {
-    case DType::F32:
-      return paged_attention_t(out, q, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache),
-                               block_tables, max_blocks, seq_lens, qsl, num_seqs, hq, hk, group, q_off, d, bs, scale,
-                               window, softcap, q_stride, out_stride);
-    case DType::BF16:
-      return paged_attention_t(out, q, static_cast<const bf16*>(k_cache), static_cast<const bf16*>(v_cache),
-                               block_tables, max_blocks, seq_lens, qsl, num_seqs, hq, hk, group, q_off, d, bs, scale,
-                               window, softcap, q_stride, out_stride);
-    case DType::F16:
-      return paged_attention_t(out, q, static_cast<const f16*>(k_cache), static_cast<const f16*>(v_cache),
-                               block_tables, max_blocks, seq_lens, qsl, num_seqs, hq, hk, group, q_off, d, bs, scale,
-                               window, softcap, q_stride, out_stride);
+    case DType::F32: return run(static_cast<float*>(nullptr));
+    case DType::BF16: return run(static_cast<bf16*>(nullptr));
+    case DType::F16: return run(static_cast<f16*>(nullptr));
+    case DType::F8E5M2: return run(static_cast<f8e5m2*>(nullptr));
+    case DType::F8E4M3: return run(static_cast<f8e4m3*>(nullptr));
   }
 }
 

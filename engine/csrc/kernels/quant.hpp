@@ -16,10 +16,14 @@
 #include "gemm.hpp"
 #include "quant_format.hpp"
 
+#ifndef CPUSERVE_QPF
+#define CPUSERVE_QPF 3072
+#endif
 namespace cpuserve {
 namespace {
 
-constexpr int64_t kQKC = 256;  // rows of a panel decoded at once for M > 2 (32 KB of float32 at NR = 32)
+constexpr int64_t kQKC = 256;
+constexpr int64_t kQPrefetch = CPUSERVE_QPF;  // bytes  // rows of a panel decoded at once for M > 2 (32 KB of float32 at NR = 32)
 
 inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
 inline uint32_t rd32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
@@ -154,25 +158,31 @@ inline void group_so(const uint8_t* chunk, int g, int col0, VecF& s, VecF& o) {
   }
 }
 
-// The unsigned codes of row r of a chunk, columns [col0, col0 + N), as floats.
+// The unsigned codes of rows r and r + 1 (r even) of a chunk, columns [col0, col0 + N), as floats.
 template <int T>
-inline VecF codes_row(const uint8_t* codes, int r, int col0) {
+inline void codes_pair(const uint8_t* codes, int r, int col0, VecF& q0, VecF& q1) {
   constexpr QFormat f = qformat(T);
   if constexpr (f.bits == 8) {
-    return VecF::u8(codes + r * kNR + col0, 0, 255);
+    q0 = VecF::u8(codes + r * kNR + col0, 0, 255);
+    q1 = VecF::u8(codes + (r + 1) * kNR + col0, 0, 255);
   } else {
-    const VecF lo = VecF::u8(codes + (r >> 1) * kNR + col0, 4 * (r & 1), 15);
+    VecF::nibbles(codes + (r >> 1) * kNR + col0, q0, q1);
     const uint8_t* hi = codes + (f.block / 2) * kNR + col0;
-    if constexpr (f.bits == 5) return VecF::fma(VecF::set1(16.f), VecF::u8(hi + (r >> 3) * kNR, r & 7, 1), lo);
-    if constexpr (f.bits == 6) return VecF::fma(VecF::set1(16.f), VecF::u8(hi + (r >> 2) * kNR, 2 * (r & 3), 3), lo);
-    return lo;
+    if constexpr (f.bits == 5) {
+      q0 = VecF::fma(VecF::set1(16.f), VecF::u8(hi + (r >> 3) * kNR, r & 7, 1), q0);
+      q1 = VecF::fma(VecF::set1(16.f), VecF::u8(hi + (r >> 3) * kNR, (r & 7) + 1, 1), q1);
+    }
+    if constexpr (f.bits == 6) {
+      q0 = VecF::fma(VecF::set1(16.f), VecF::u8(hi + (r >> 2) * kNR, 2 * (r & 3), 3), q0);
+      q1 = VecF::fma(VecF::set1(16.f), VecF::u8(hi + (r >> 2) * kNR, 2 * (r & 3) + 2, 3), q1);
+    }
   }
 }
 
 // Decode micro-kernel: MR rows of A against NP whole panels over all of K,
 // accumulators in registers from zero (the dense kernel's chain).
 template <int T, int MR, int NP>
-inline void q_micro(const float* a, int64_t lda, const uint8_t* w, int64_t ps, int64_t nb, float* c,
+inline void q_micro(const float* a, int64_t lda, const uint8_t* w_, int64_t ps, int64_t nb, float* c,
                     int64_t ldc, int cols) {
   constexpr QFormat f = qformat(T);
   constexpr int64_t cb = qchunk_bytes(f, kNR);
@@ -180,29 +190,38 @@ inline void q_micro(const float* a, int64_t lda, const uint8_t* w, int64_t ps, i
   for (int i = 0; i < MR; ++i)
     for (int q = 0; q < NP; ++q) acc[i][q][0] = acc[i][q][1] = VecF::zero();
   for (int64_t b = 0; b < nb; ++b) {
+    // Decoding is slow per byte, so the hardware prefetchers run too close behind: fetch
+    // each panel's stream kQPrefetch bytes ahead (the panel's own bytes only).
+    for (int q = 0; q < NP; ++q)
+      for (int64_t off = b * cb + kQPrefetch; off < std::min(ps, (b + 1) * cb + kQPrefetch); off += 64)
+        __builtin_prefetch(w_ + q * ps + off);
     for (int g = 0; g < f.block / f.group; ++g) {
       VecF s[NP][2], o[NP][2];
       for (int q = 0; q < NP; ++q) {
-        group_so<T>(w + q * ps + b * cb, g, 0, s[q][0], o[q][0]);
-        group_so<T>(w + q * ps + b * cb, g, VecF::N, s[q][1], o[q][1]);
+        group_so<T>(w_ + q * ps + b * cb, g, 0, s[q][0], o[q][0]);
+        group_so<T>(w_ + q * ps + b * cb, g, VecF::N, s[q][1], o[q][1]);
       }
       const float* ak = a + b * f.block + g * f.group;
-#pragma GCC unroll 8
-      for (int r = 0; r < f.group; ++r) {
+      for (int r = 0; r < f.group; r += 2) {
         const int rr = g * f.group + r;
-        VecF w0[NP], w1[NP];
+        VecF w[2][NP][2];  // [row of the pair][panel][half]
         for (int q = 0; q < NP; ++q) {
-          const uint8_t* codes = w + q * ps + b * cb + f.header * kNR;
-          w0[q] = VecF::fma(s[q][0], codes_row<T>(codes, rr, 0), o[q][0]);
-          w1[q] = VecF::fma(s[q][1], codes_row<T>(codes, rr, VecF::N), o[q][1]);
-        }
-        for (int i = 0; i < MR; ++i) {
-          const VecF av = VecF::set1(ak[i * lda + r]);
-          for (int q = 0; q < NP; ++q) {
-            acc[i][q][0] = VecF::fma(av, w0[q], acc[i][q][0]);
-            acc[i][q][1] = VecF::fma(av, w1[q], acc[i][q][1]);
+          const uint8_t* codes = w_ + q * ps + b * cb + f.header * kNR;
+          for (int h = 0; h < 2; ++h) {
+            VecF q0, q1;
+            codes_pair<T>(codes, rr, h * VecF::N, q0, q1);
+            w[0][q][h] = VecF::fma(s[q][h], q0, o[q][h]);
+            w[1][q][h] = VecF::fma(s[q][h], q1, o[q][h]);
           }
         }
+        for (int e = 0; e < 2; ++e)
+          for (int i = 0; i < MR; ++i) {
+            const VecF av = VecF::set1(ak[i * lda + r + e]);
+            for (int q = 0; q < NP; ++q) {
+              acc[i][q][0] = VecF::fma(av, w[e][q][0], acc[i][q][0]);
+              acc[i][q][1] = VecF::fma(av, w[e][q][1], acc[i][q][1]);
+            }
+          }
       }
     }
   }
@@ -226,10 +245,15 @@ inline void q_dequant(const uint8_t* panel, int64_t b0, int64_t b1, float* buf) 
       VecF s0, o0, s1, o1;
       group_so<T>(chunk, g, 0, s0, o0);
       group_so<T>(chunk, g, VecF::N, s1, o1);
-      for (int r = g * f.group; r < (g + 1) * f.group; ++r) {
+      for (int r = g * f.group; r < (g + 1) * f.group; r += 2) {
         float* row = buf + ((b - b0) * f.block + r) * kNR;
-        VecF::fma(s0, codes_row<T>(chunk + f.header * kNR, r, 0), o0).store(row);
-        VecF::fma(s1, codes_row<T>(chunk + f.header * kNR, r, VecF::N), o1).store(row + VecF::N);
+        VecF q0, q1;
+        codes_pair<T>(chunk + f.header * kNR, r, 0, q0, q1);
+        VecF::fma(s0, q0, o0).store(row);
+        VecF::fma(s0, q1, o0).store(row + kNR);
+        codes_pair<T>(chunk + f.header * kNR, r, VecF::N, q0, q1);
+        VecF::fma(s1, q0, o1).store(row + VecF::N);
+        VecF::fma(s1, q1, o1).store(row + kNR + VecF::N);
       }
     }
   }

@@ -44,8 +44,28 @@ struct VecF {
   // Lanes i: float((p[i] >> shift) & mask), for N bytes at p (quantized weight codes).
   static VecF u8(const uint8_t* p, int shift, int mask) {
     __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    x = _mm256_and_si256(_mm256_srl_epi32(x, _mm_cvtsi32_si128(shift)), _mm256_set1_epi32(mask));
+    if (shift != 0) x = _mm256_srl_epi32(x, _mm_cvtsi32_si128(shift));
+    if (mask != 255) x = _mm256_and_si256(x, _mm256_set1_epi32(mask));
     return {_mm256_cvtepi32_ps(x)};
+  }
+  // Lanes i: float(p[i] & 15) and float(p[i] >> 4), one load for both.
+  static void nibbles(const uint8_t* p, VecF& lo, VecF& hi) {
+    __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    lo.v = _mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(15)));
+    hi.v = _mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4));
+  }
+  static VecF load(const f8e5m2* p) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(b), 8))};
+  }
+  static VecF load(const f8e4m3* p) {
+    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return {_mm256_i32gather_ps(f8e4m3_table(), idx, 4)};
+  }
+  template <typename T> void store(T* p) const {
+    alignas(32) float t[N];
+    store(t);
+    for (int i = 0; i < N; ++i) p[i] = from_float<T>(t[i]);
   }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   void store(bf16* p) const {

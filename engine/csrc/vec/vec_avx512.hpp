@@ -43,8 +43,28 @@ struct VecF {
   // Lanes i: float((p[i] >> shift) & mask), for N bytes at p (quantized weight codes).
   static VecF u8(const uint8_t* p, int shift, int mask) {
     __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    x = _mm512_and_si512(_mm512_srl_epi32(x, _mm_cvtsi32_si128(shift)), _mm512_set1_epi32(mask));
+    if (shift != 0) x = _mm512_srl_epi32(x, _mm_cvtsi32_si128(shift));
+    if (mask != 255) x = _mm512_and_si512(x, _mm512_set1_epi32(mask));
     return {_mm512_cvtepi32_ps(x)};
+  }
+  // Lanes i: float(p[i] & 15) and float(p[i] >> 4), one load for both.
+  static void nibbles(const uint8_t* p, VecF& lo, VecF& hi) {
+    __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    lo.v = _mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(15)));
+    hi.v = _mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4));
+  }
+  static VecF load(const f8e5m2* p) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8))};
+  }
+  static VecF load(const f8e4m3* p) {
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return {_mm512_i32gather_ps(idx, f8e4m3_table(), 4)};
+  }
+  template <typename T> void store(T* p) const {
+    alignas(64) float t[N];
+    store(t);
+    for (int i = 0; i < N; ++i) p[i] = from_float<T>(t[i]);
   }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   void store(bf16* p) const {

@@ -47,6 +47,28 @@ struct VecF {
     x = vandq_u32(vshlq_u32(x, vdupq_n_s32(-shift)), vdupq_n_u32(static_cast<uint32_t>(mask)));
     return {vcvtq_f32_u32(x)};
   }
+  // Lanes i: float(p[i] & 15) and float(p[i] >> 4), one load for both.
+  static void nibbles(const uint8_t* p, VecF& lo, VecF& hi) {
+    lo = u8(p, 0, 15);
+    hi = u8(p, 4, 15);
+  }
+  static VecF load(const f8e5m2* p) {
+    uint32_t w;
+    std::memcpy(&w, p, 4);
+    const uint16x4_t h = vshl_n_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(w)))), 8);
+    return {vcvt_f32_f16(vreinterpret_f16_u16(h))};
+  }
+  static VecF load(const f8e4m3* p) {
+    alignas(64) float t[N];
+    const float* lut = f8e4m3_table();
+    for (int i = 0; i < N; ++i) t[i] = lut[p[i].bits];
+    return load(t);
+  }
+  template <typename T> void store(T* p) const {
+    alignas(64) float t[N];
+    store(t);
+    for (int i = 0; i < N; ++i) p[i] = from_float<T>(t[i]);
+  }
   void store(float* p) const { vst1q_f32(p, v); }
   void store(bf16* p) const {
     float t[N];

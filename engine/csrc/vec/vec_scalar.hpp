@@ -27,6 +27,11 @@ struct VecF {
     for (int i = 0; i < N; ++i) r.v[i] = static_cast<float>((p[i] >> shift) & mask);
     return r;
   }
+  // Lanes i: float(p[i] & 15) and float(p[i] >> 4), one load for both.
+  static void nibbles(const uint8_t* p, VecF& lo, VecF& hi) {
+    lo = u8(p, 0, 15);
+    hi = u8(p, 4, 15);
+  }
   template <typename T> void store(T* p) const {
     for (int i = 0; i < N; ++i) p[i] = from_float<T>(v[i]);
   }

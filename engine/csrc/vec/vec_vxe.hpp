@@ -33,6 +33,21 @@ struct VecF {
     for (int i = 0; i < N; ++i) r.v[i] = static_cast<float>((p[i] >> shift) & mask);
     return r;
   }
+  // Lanes i: float(p[i] & 15) and float(p[i] >> 4), one load for both.
+  static void nibbles(const uint8_t* p, VecF& lo, VecF& hi) {
+    lo = u8(p, 0, 15);
+    hi = u8(p, 4, 15);
+  }
+  static VecF load(const f8e5m2* p) {
+    VecF r;
+    for (int i = 0; i < N; ++i) r.v[i] = to_float(p[i]);
+    return r;
+  }
+  static VecF load(const f8e4m3* p) {
+    VecF r;
+    for (int i = 0; i < N; ++i) r.v[i] = to_float(p[i]);
+    return r;
+  }
   void store(float* p) const { vec_xst(v, 0, p); }
   template <typename T> void store(T* p) const {
     for (int i = 0; i < N; ++i) p[i] = from_float<T>(v[i]);

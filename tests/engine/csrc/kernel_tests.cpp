@@ -37,6 +37,8 @@ template <typename T> std::vector<T> convert(const std::vector<float>& v) {
     if constexpr (std::is_same<T, float>::value) out[i] = v[i];
     else if constexpr (std::is_same<T, bf16>::value) {
       uint32_t u; std::memcpy(&u, &v[i], 4); u += 0x7fffu + ((u >> 16) & 1u); out[i] = bf16{uint16_t(u >> 16)};
+    } else if constexpr (!std::is_same<T, f16>::value) {  // float8
+      out[i] = from_float<T>(v[i]);
     } else {  // f16 through float32 -> half via the table-independent reference below
       float f = v[i]; uint32_t u; std::memcpy(&u, &f, 4);
       uint32_t sign = (u >> 16) & 0x8000u, e = (u >> 23) & 0xff, m = u & 0x7fffffu;
@@ -135,7 +137,7 @@ TEST_P(VectorVsScalar, GemmAllDtypes) {
 }
 
 template <typename T>
-void check_attention(const KernelTable* v, DType dt, int64_t bs, int64_t group) {
+void check_attention(const KernelTable* v, DType dt, int64_t bs, int64_t group, float ks = 1.f, float vs = 1.f) {
   const KernelTable* s = table_scalar();
   const int64_t hk = 2, hq = hk * group, d = 64;
   std::vector<int32_t> q_lens = {1, 19, 5}, ctx = {40, 19, 70};
@@ -150,9 +152,9 @@ void check_attention(const KernelTable* v, DType dt, int64_t bs, int64_t group) 
   std::vector<float> o1(q.size()), o2(q.size());
   for (int64_t window : {int64_t(0), int64_t(16)}) {
     v->paged_attention(o1.data(), q.data(), kc.data(), vc.data(), dt, tables.data(), max_blocks, ctx.data(),
-                       qsl.data(), 3, hq, hk, group, 0, d, bs, 0.125f, window, 0.f, hq * d, hq * d);
+                       qsl.data(), 3, hq, hk, group, 0, d, bs, 0.125f, window, 0.f, hq * d, hq * d, ks, vs);
     s->paged_attention(o2.data(), q.data(), kc.data(), vc.data(), dt, tables.data(), max_blocks, ctx.data(),
-                       qsl.data(), 3, hq, hk, group, 0, d, bs, 0.125f, window, 0.f, hq * d, hq * d);
+                       qsl.data(), 3, hq, hk, group, 0, d, bs, 0.125f, window, 0.f, hq * d, hq * d, ks, vs);
     expect_close(o1, o2, 2e-5f);
   }
 }
@@ -162,6 +164,8 @@ TEST_P(VectorVsScalar, PagedAttentionAllDtypesBlockSizesGqa) {
     for (int64_t group : {1, 4, 8}) {
       check_attention<float>(GetParam(), DType::F32, bs, group);
       check_attention<bf16>(GetParam(), DType::BF16, bs, group);
+      check_attention<f8e5m2>(GetParam(), DType::F8E5M2, bs, group, 0.5f, 2.f);
+      check_attention<f8e4m3>(GetParam(), DType::F8E4M3, bs, group, 0.25f, 1.5f);
 #if !defined(__s390x__)
       check_attention<f16>(GetParam(), DType::F16, bs, group);
 #endif
@@ -174,12 +178,40 @@ TEST_P(VectorVsScalar, ReshapeAndCache) {
   std::vector<int64_t> slots = {0, 5, 17, 63, -1, 33, 34, 2, 50};
   std::vector<bf16> k1(nblocks * hk * bs * d), v1(k1.size()), k2(k1.size()), v2(k1.size());
   GetParam()->reshape_and_cache(key.data(), value.data(), k1.data(), v1.data(), DType::BF16, slots.data(), t, hk, d,
-                                bs, hk * d, hk * d);
+                                bs, hk * d, hk * d, 1.f, 1.f);
   table_scalar()->reshape_and_cache(key.data(), value.data(), k2.data(), v2.data(), DType::BF16, slots.data(), t, hk,
-                                    d, bs, hk * d, hk * d);
+                                    d, bs, hk * d, hk * d, 1.f, 1.f);
   ASSERT_EQ(0, std::memcmp(k1.data(), k2.data(), k1.size() * 2));
   ASSERT_EQ(0, std::memcmp(v1.data(), v2.data(), v1.size() * 2));
+  for (DType dt : {DType::F8E5M2, DType::F8E4M3}) {  // scaled float8: same bytes on every path
+    std::vector<uint8_t> a1(k1.size()), b1(k1.size()), a2(k1.size()), b2(k1.size());
+    GetParam()->reshape_and_cache(key.data(), value.data(), a1.data(), b1.data(), dt, slots.data(), t, hk, d, bs,
+                                  hk * d, hk * d, 0.25f, 3.f);
+    table_scalar()->reshape_and_cache(key.data(), value.data(), a2.data(), b2.data(), dt, slots.data(), t, hk, d, bs,
+                                      hk * d, hk * d, 0.25f, 3.f);
+    ASSERT_EQ(a1, a2);
+    ASSERT_EQ(b1, b2);
+  }
 }
+
+// float8 conversions: every e5m2 / e4m3 value survives a round trip; rounding is to nearest
+// even (e4m3 saturating at 448); the vector loads decode as the scalar conversion does.
+TEST(Float8, RoundTripRoundingAndVectorLoads) {
+  for (int i = 0; i < 256; ++i) {
+    const float a = to_float(f8e5m2{uint8_t(i)}), b = to_float(f8e4m3{uint8_t(i)});
+    if (a == a) ASSERT_EQ(from_float<f8e5m2>(a).bits, i == 0x80 ? 0x80 : i) << i;
+    if (b == b) ASSERT_EQ(from_float<f8e4m3>(b).bits, i) << i;
+  }
+  ASSERT_EQ(from_float<f8e4m3>(1.0625f).bits, from_float<f8e4m3>(1.f).bits);  // tie to even: 1.0
+  ASSERT_EQ(to_float(from_float<f8e4m3>(1.1875f)), 1.25f);                      // tie to even: 1.25
+  ASSERT_EQ(to_float(from_float<f8e4m3>(1e6f)), 448.f);
+  ASSERT_EQ(to_float(from_float<f8e4m3>(470.f)), 448.f);
+  ASSERT_EQ(to_float(from_float<f8e4m3>(464.f)), 448.f);  // the tie rounds to even
+  ASSERT_EQ(to_float(from_float<f8e4m3>(-1e6f)), -448.f);
+  ASSERT_EQ(to_float(from_float<f8e5m2>(1.125f)), 1.f);                         // tie to even
+  ASSERT_EQ(to_float(from_float<f8e5m2>(57344.f)), 57344.f);
+}
+
 
 // Random GGUF blocks of type t for an [n, k] weight: random codes and scale bytes,
 // finite f16 scales (d > 0, min / dmin of either sign) where the format keeps them.

@@ -15,7 +15,8 @@ def test_profile_of_a_decode_step(llm_f32):
     from cpuserve.model_executor import ops
     linear = ops.linear
     weight_bytes, params = bench.model_size(llm_f32)
-    assert 120e6 < params < 140e6 and weight_bytes == 4 * params  # SmolLM2-135M's matrices, float32
+    # SmolLM2-135M's matrices in the GGUF's blocks: Q4_1 layers (5 bits), the Q8_0 head (8.5 bits)
+    assert 120e6 < params < 140e6 and 0.65 * params < weight_bytes < 0.75 * params
     step, prof = bench.decode_steps(llm_f32, batch=4, tokens=4)
     assert {"GEMM", "attention", "sampler", "Python and scheduling", "rms_norm"} <= set(prof)
     assert all(v >= 0 for v in prof.values()) and prof["GEMM"] > prof["sampler"]

@@ -103,7 +103,9 @@ def test_truncated_safetensors_names_the_file(tmp_path, llm_f32):
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         if (src / name).exists():
             (tmp_path / name).write_bytes((src / name).read_bytes())
-    data = (src / "model.safetensors").read_bytes()
+    from safetensors.torch import save_file
+    save_file({"model.embed_tokens.weight": torch.randn(64, 576)}, str(tmp_path / "model.safetensors"))
+    data = (tmp_path / "model.safetensors").read_bytes()
     (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match=f"{tmp_path / 'model.safetensors'}: truncated data"):
         LLM(str(tmp_path), dtype="float32", kv_cache_space=0.1)
@@ -112,14 +114,14 @@ def test_truncated_safetensors_names_the_file(tmp_path, llm_f32):
 def test_full_cache_disk_is_clear_and_leaves_nothing_behind(tmp_path, monkeypatch, model_path):
     import errno
 
-    import safetensors.torch
+    from cpuserve.loading import gguf_tokenizer
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("CPUSERVE_CACHE", str(cache))
 
     def disk_full(*_, **__):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    monkeypatch.setattr(gguf_tokenizer, "write_tokenizer", disk_full)
     with pytest.raises(OSError, match="into the cache .* failed: No space left on device; .*CPUSERVE_CACHE"):
         LLM(str(model_path))
     assert list((cache / "gguf").iterdir()) == []  # no half-written directory a later start could trust

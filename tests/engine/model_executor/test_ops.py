@@ -85,6 +85,40 @@ def test_reshape_and_cache(kern, dtype, block_size):
     assert torch.equal(kc, kr) and torch.equal(vc, vr)
 
 
+FP8 = [torch.float8_e5m2, torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.02, 3.0)])
+def test_float8_cache_bytes_equal_torch_casts(kern, dtype, scales):
+    """x / scale rounded to nearest even exactly as torch casts (e4m3 saturating at 448), the
+    scales small enough to push values out of range and into subnormals."""
+    torch.manual_seed(3)
+    t, hk, d, bs = 11, 2, 48, 16
+    key, value = torch.randn(t, hk * d) * 4, torch.randn(t, hk * d) / 50
+    key[0, :4] = torch.tensor([float("nan"), 1e9, -1e9, 0.0])
+    slots = torch.randperm(4 * bs)[:t]
+    kc, vc = torch.zeros(4, hk, bs, d, dtype=dtype), torch.zeros(4, hk, bs, d, dtype=dtype)
+    kr, vr = kc.clone(), vc.clone()
+    ops.reshape_and_cache(key, value, kc, vc, slots, *scales, k=kern)
+    ref.reshape_and_cache(key, value, kr, vr, slots, *scales)
+    kb, kbr = kc.view(torch.uint8), kr.view(torch.uint8)
+    nan = kr.float().isnan()
+    assert torch.equal(kb[~nan], kbr[~nan]) and kc.float()[nan].isnan().all()
+    assert torch.equal(vc.view(torch.uint8), vr.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_paged_attention_float8_cache_with_scales(kern, dtype, block_size):
+    q_lens, ctx_lens = [1, 37, 20, 1], [70, 37, 150, 259]
+    q, kc, vc, tables, seq_lens, qsl, hq = _attention_case(dtype, block_size, 4, 64, q_lens, ctx_lens, 5)
+    scale, ks, vs = 64 ** -0.5, 0.5, 2.0
+    got = ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, hq, scale, k_scale=ks, v_scale=vs, k=kern)
+    want = ref.paged_attention(q, kc, vc, tables, seq_lens, qsl, hq, scale, k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
 def _attention_case(dtype, block_size, group, head_dim, q_lens, ctx_lens, seed):
     torch.manual_seed(seed)
     hk = 2

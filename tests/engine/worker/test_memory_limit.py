@@ -61,13 +61,14 @@ def test_engine_in_a_cgroup_too_small_for_its_model_says_so(tmp_path):
     except OSError as e:
         pytest.skip(f"cannot create a cgroup here: {e}")
     try:
-        limit = 600 << 20  # above Python + torch, below them + SmolLM2-135M's 0.5 GiB of float32 weights
+        limit = 600 << 20  # above Python + torch, below them + SmolLM2-135M's 0.5 GiB of float32 (widened) weights
         limit_file = cg / ("memory.max" if (cg / "memory.max").exists() else "memory.limit_in_bytes")
         limit_file.write_text(str(limit))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
         code = f"open('{cg}/cgroup.procs', 'w').write(str(__import__('os').getpid()))\n" \
                "import runpy, sys; sys.argv = ['cpuserve', 'generate', '--prompt', 'Hi', '--max-tokens', '1', " \
-               "'--dtype', 'float32', '--kv-cache-space', '0.1']; runpy.run_module('cpuserve', run_name='__main__')"
+               "'--dtype', 'float32', '--quantization', 'none', '--kv-cache-space', '0.1']; " \
+               "runpy.run_module('cpuserve', run_name='__main__')"
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
         assert r.returncode not in (0, -9, 137), r.stderr[-2000:]  # refused, not OOM-killed
         assert TOO_LARGE in r.stderr and "memory limit" in r.stderr, r.stderr[-2000:]

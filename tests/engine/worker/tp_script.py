@@ -18,7 +18,8 @@ def main(mode: str, tp: int, prompts: list[str]) -> None:
         except ValueError as e:
             print("RESULT", json.dumps(dict(error=str(e))))
         return
-    llm = LLM(dtype="float32", block_size=16, kv_cache_space=1.0, tensor_parallel_size=tp)
+    llm = LLM(dtype="float32", block_size=16, kv_cache_space=1.0, tensor_parallel_size=tp,
+              kv_cache_dtype=os.environ.get("TP_KV_CACHE_DTYPE", "auto"))
     runner = llm.engine.runner
     if mode == "kill-rank":
         victim = runner.ranks.procs[1]

@@ -22,10 +22,14 @@ class PagedAttention:
         self.scale, self.sliding_window, self.softcap = scale, sliding_window or 0, softcap or 0.0
         self.k_cache: torch.Tensor | None = None  # [blocks, kv_heads, block_size, head_dim], bound by the runner
         self.v_cache: torch.Tensor | None = None
+        # a float8 cache holds k / k_scale and v / v_scale (vLLM's per-tensor scales; 1 unless the
+        # checkpoint gives them)
+        self.k_scale = self.v_scale = 1.0
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
-        ops.reshape_and_cache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        ops.reshape_and_cache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
         return ops.paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens,
                                    ctx.query_start_loc, self.num_heads, self.scale, self.sliding_window,
-                                   self.softcap, group=self.group, q_head_offset=self.q_head_offset)
+                                   self.softcap, group=self.group, q_head_offset=self.q_head_offset,
+                                   k_scale=self.k_scale, v_scale=self.v_scale)

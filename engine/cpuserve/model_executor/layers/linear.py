@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import torch
 
+from cpuserve.loading.quant_tensor import cat_rows
 from cpuserve.model_executor import ops
 from cpuserve.model_executor.parallel import TPGroup, split_sizes
 
 
 class Linear:
-    """y = x @ W^T + b with W [N, K] stored packed in the model's weight dtype."""
+    """y = x @ W^T + b with W [N, K] stored packed in the model's weight dtype, or in
+    its GGUF blocks when the checkpoint is quantized."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
-        self.weight = ops.PackedWeight(weight.to(dtype))
+    def __init__(self, weight, bias: torch.Tensor | None, dtype: torch.dtype):
+        self.weight = ops.pack(weight, dtype)
         self.bias = bias.float().contiguous() if bias is not None else None
 
     @property
@@ -60,7 +62,7 @@ class MergedColumnParallelLinear(Linear):
             parts.append(w[start:start + n])
             if biases is not None and biases[i] is not None:
                 bparts.append(biases[i][start:start + n])
-        super().__init__(torch.cat(parts), torch.cat(bparts) if bparts else None, dtype)
+        super().__init__(cat_rows(parts), torch.cat(bparts) if bparts else None, dtype)
 
 
 def qkv_head_split(hq: int, hk: int, size: int) -> list[tuple[int, int, int, int]]:
@@ -94,7 +96,7 @@ class QKVParallelLinear(Linear):
         self.group, self.q_head_offset = hq // hk, q0 - k0 * (hq // hk)
         self.num_heads, self.num_kv_heads = nq, nk
         sel = [(q, q0, nq), (k, k0, nk), (v, k0, nk)]
-        w = torch.cat([t[s * head_dim:(s + n) * head_dim] for t, s, n in sel])
+        w = cat_rows([t[s * head_dim:(s + n) * head_dim] for t, s, n in sel])
         b = None
         if biases is not None:
             b = torch.cat([bb[s * head_dim:(s + n) * head_dim] for bb, (_, s, n) in zip(biases, sel)])

@@ -1,0 +1,73 @@
+"""GGUF block-quantized tensors as the loader hands them to the model: the
+file's blocks, unwidened, with the slicing the layers need (row shards, block-
+aligned column shards, row permutations, row concatenation). The model packs
+them for the native quantized GEMM (model_executor.ops.QuantWeight)."""
+from __future__ import annotations
+
+import torch
+
+# ggml type id -> (name, weights per block, bytes per block): the types the kernels run.
+QTYPES = {
+    2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
+}
+
+
+class QuantTensor:
+    """A [rows, k] weight in GGUF blocks: `data` uint8 [rows, k / block * block_bytes],
+    block fields in this machine's byte order."""
+
+    __slots__ = ("data", "qtype", "shape")
+
+    def __init__(self, data: torch.Tensor, qtype: int, k: int):
+        name, block, nbytes = QTYPES[qtype]
+        if data.dtype != torch.uint8 or data.dim() != 2 or k % block or data.shape[1] != k // block * nbytes:
+            raise ValueError(f"{name} data of shape {tuple(data.shape)} does not hold rows of {k} weights")
+        self.data, self.qtype, self.shape = data, qtype, (data.shape[0], k)
+
+    @property
+    def type_name(self) -> str:
+        return QTYPES[self.qtype][0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def to(self, dtype: torch.dtype) -> "QuantTensor":  # the blocks are kept whatever the model's dtype
+        return self
+
+    def __getitem__(self, index):
+        if not isinstance(index, tuple):
+            return QuantTensor(self.data[index], self.qtype, self.shape[1])
+        rows, cols = index
+        if rows != slice(None) or not isinstance(cols, slice) or cols.step not in (None, 1):
+            raise IndexError("a quantized weight is sliced by rows, or by a range of columns")
+        start, stop, _ = cols.indices(self.shape[1])
+        _, block, nbytes = QTYPES[self.qtype]
+        if start % block or stop % block:  # a shard boundary inside a block: only the widened slice exists
+            return self.dequantize()[:, start:stop]
+        return QuantTensor(self.data[:, start // block * nbytes: stop // block * nbytes].contiguous(), self.qtype,
+                           stop - start)
+
+    def permute_rows(self, index: torch.Tensor) -> "QuantTensor":
+        return QuantTensor(self.data[index].contiguous(), self.qtype, self.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 values (gguf-py's reference dequantization)."""
+        import gguf
+        import numpy as np
+
+        out = gguf.quants.dequantize(np.ascontiguousarray(self.data.numpy()), gguf.GGMLQuantizationType(self.qtype))
+        return torch.from_numpy(np.array(out, dtype=np.float32)).reshape(self.shape)
+
+
+def cat_rows(parts: list):
+    """Row concatenation of weights (fused projections): a tensor when every part is dense,
+    one QuantTensor when every part has the same type, else the list of parts (each is
+    packed on its own and fills its own columns of the output)."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)
+    if all(isinstance(p, QuantTensor) for p in parts) and len({p.qtype for p in parts}) == 1 \
+            and len({p.shape[1] for p in parts}) == 1:
+        return QuantTensor(torch.cat([p.data for p in parts]), parts[0].qtype, parts[0].shape[1])
+    return list(parts)

@@ -1,0 +1,70 @@
+#include "decoder_step.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+namespace cpuserve {
+
+void DecoderStack::linear(const LinearDesc& l, const float* x, int64_t lda, float* out, int64_t ldc, int64_t m) {
+  int64_t col = 0;
+  for (const LinearPart& p : l.parts) {
+    const float* b = l.bias != nullptr ? l.bias + col : nullptr;
+    if (p.kind >= 16)
+      t_->qgemm(out + col, x, static_cast<const uint8_t*>(p.w), p.kind - 16, b, m, p.n, l.k, lda, ldc);
+    else
+      t_->gemm(out + col, x, p.w, static_cast<DType>(p.kind), b, m, p.n, l.k, lda, ldc);
+    col += p.n;
+  }
+}
+
+// The Python LlamaDecoderLayer.__call__, kernel for kernel.
+void DecoderStack::layer(const DecoderLayerDesc& L, float* h, float* res, bool first, const StepMeta& m) {
+  const int64_t T = m.tokens, H = hidden_, qs = L.hq * L.d, kvs = L.hk * L.d, w = qs + 2 * kvs;
+  if (first) {
+    std::memcpy(res, h, sizeof(float) * T * H);
+    t_->rms_norm(h, res, L.in_norm, T, H, H, H, L.eps);
+  } else {
+    t_->fused_add_rms_norm(h, res, L.in_norm, T, H, H, H, L.eps);
+  }
+  float* qkv = qkv_.data();
+  linear(L.qkv, h, H, qkv, w, T);
+  float *q = qkv, *k = qkv + qs, *v = qkv + qs + kvs;
+  if (L.q_norm != nullptr)
+    for (int64_t i = 0; i < T; ++i) {
+      t_->rms_norm(q + i * w, q + i * w, L.q_norm, L.hq, L.d, L.d, L.d, L.eps);
+      t_->rms_norm(k + i * w, k + i * w, L.k_norm, L.hk, L.d, L.d, L.d, L.eps);
+    }
+  t_->rotary(q, k, m.positions, L.cos_sin, T, L.hq, L.hk, L.d, L.rot_dim, w, w, L.neox);
+  t_->reshape_and_cache(k, v, L.k_cache, L.v_cache, L.kv_dtype, m.slot_mapping, T, L.hk, L.d, L.block_size, w, w,
+                        L.k_scale, L.v_scale);
+  float* attn = attn_.data();
+  t_->paged_attention(attn, q, L.k_cache, L.v_cache, L.kv_dtype, m.block_tables, m.max_blocks, m.seq_lens,
+                      m.query_start_loc, m.num_seqs, L.hq, L.hk, L.group, L.q_off, L.d, L.block_size, L.scale,
+                      L.window, L.softcap, w, qs, L.k_scale, L.v_scale);
+  linear(L.o, attn, qs, h, H, T);
+  t_->fused_add_rms_norm(h, res, L.post_norm, T, H, H, H, L.eps);
+  float* gu = gate_up_.data();
+  linear(L.gate_up, h, H, gu, 2 * inter_, T);
+  t_->silu_and_mul(act_.data(), gu, T, inter_, 2 * inter_, inter_);
+  linear(L.down, act_.data(), inter_, h, H, T);
+}
+
+void DecoderStack::run(float* h, float* residual, bool residual_valid, const StepMeta& m) {
+  int64_t qkv_w = 0, q_w = 0;
+  for (const DecoderLayerDesc& L : layers_) {
+    qkv_w = std::max(qkv_w, (L.hq + 2 * L.hk) * L.d);
+    q_w = std::max(q_w, L.hq * L.d);
+  }
+  const size_t T = static_cast<size_t>(m.tokens);
+  if (qkv_.size() < T * qkv_w) qkv_.resize(T * qkv_w);
+  if (attn_.size() < T * q_w) attn_.resize(T * q_w);
+  if (gate_up_.size() < T * 2 * inter_) gate_up_.resize(T * 2 * inter_);
+  if (act_.size() < T * inter_) act_.resize(T * inter_);
+  bool first = !residual_valid;
+  for (const DecoderLayerDesc& L : layers_) {
+    layer(L, h, residual, first, m);
+    first = false;
+  }
+}
+
+}  // namespace cpuserve

@@ -1,0 +1,74 @@
+// A Llama-family decoder stack run in one native call per step: the same kernels, in the
+// same order and on the same buffers as the Python layers (so the same results, bit for
+// bit), without a Python round trip per operator. Built once per model from the layers'
+// weights and KV caches (cpuserve/model_executor/native_step.py); one rank only.
+#pragma once
+#include <cstdint>
+#include <vector>
+#include "../kernel_table.hpp"
+
+namespace cpuserve {
+
+struct LinearPart {
+  const void* w;  // packed weight
+  int kind;       // DType code for dense weights, 16 + ggml type id for quantized ones
+  int64_t n;      // output columns of this part
+};
+
+struct LinearDesc {
+  std::vector<LinearPart> parts;
+  int64_t k = 0, n = 0;
+  const float* bias = nullptr;
+};
+
+struct DecoderLayerDesc {
+  const float* in_norm = nullptr;
+  const float* post_norm = nullptr;
+  float eps = 1e-6f;
+  LinearDesc qkv, o, gate_up, down;
+  const float* q_norm = nullptr;  // per-head QK-norm (Qwen3), or null
+  const float* k_norm = nullptr;
+  int64_t hq = 0, hk = 0, d = 0, group = 1, q_off = 0;
+  float scale = 1.f, softcap = 0.f;
+  int64_t window = 0;
+  const float* cos_sin = nullptr;
+  int64_t rot_dim = 0;
+  bool neox = true;
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  DType kv_dtype = DType::F32;
+  int64_t block_size = 16;
+  float k_scale = 1.f, v_scale = 1.f;
+};
+
+struct StepMeta {
+  int64_t tokens;
+  const int64_t* positions;
+  const int64_t* slot_mapping;
+  const int32_t* block_tables;
+  int64_t max_blocks;
+  const int32_t* seq_lens;
+  const int32_t* query_start_loc;
+  int64_t num_seqs;
+};
+
+class DecoderStack {
+ public:
+  DecoderStack(const KernelTable* t, int64_t hidden, int64_t intermediate) : t_(t), hidden_(hidden), inter_(intermediate) {}
+  void add_layer(const DecoderLayerDesc& layer) { layers_.push_back(layer); }
+  size_t size() const { return layers_.size(); }
+  // h [T, hidden] in: the embeddings (residual_valid false) or the previous layer's output;
+  // out: the last layer's output, residual [T, hidden] its residual stream.
+  void run(float* h, float* residual, bool residual_valid, const StepMeta& m);
+
+ private:
+  void linear(const LinearDesc& l, const float* x, int64_t lda, float* out, int64_t ldc, int64_t m);
+  void layer(const DecoderLayerDesc& L, float* h, float* residual, bool first, const StepMeta& m);
+
+  const KernelTable* t_;
+  int64_t hidden_, inter_;
+  std::vector<DecoderLayerDesc> layers_;
+  std::vector<float> qkv_, attn_, gate_up_, act_;
+};
+
+}  // namespace cpuserve

@@ -1,0 +1,109 @@
+"""The GGUF block-quantized kernels against the torch reference: gguf-py's dequantization
+(what transformers runs on a GGUF), then a matmul. Every type the engine keeps, on every
+ISA this CPU runs (CPUSERVE_ISA tables), decode- and batch-shaped."""
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from cpuserve import _C
+from cpuserve.loading.quant_tensor import QTYPES, QuantTensor, cat_rows
+from cpuserve.model_executor import ops
+
+ISAS = _C.available_isas()
+TYPES = [name for name, _, _ in QTYPES.values()]
+
+
+def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> QuantTensor:
+    """Blocks from gguf-py's quantizer where it has one (Q4_0 ... Q8_0), else random bytes
+    with finite f16 scales (every bit pattern of a K-quant's codes and 6-bit scales is valid)."""
+    t = getattr(gguf.GGMLQuantizationType, qtype)
+    rng = np.random.default_rng(seed)
+    _, block, nbytes = QTYPES[int(t)]
+    if block == 32:
+        raw = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), t).view(np.uint8)
+    else:
+        raw = rng.integers(0, 256, size=(n * k // block, nbytes), dtype=np.uint8)
+        half = lambda size, sign: (rng.uniform(1e-3, 3e-2, size) * sign).astype(np.float16).view(np.uint8)  # noqa: E731
+        if qtype == "Q6_K":
+            raw[:, 208:210] = half(len(raw), 1).reshape(-1, 2)
+        else:
+            raw[:, 0:2] = half(len(raw), 1).reshape(-1, 2)
+            raw[:, 2:4] = half(len(raw), rng.choice([-1, 1], len(raw))).reshape(-1, 2)
+    return QuantTensor(torch.from_numpy(np.ascontiguousarray(raw).reshape(n, -1)), int(t), k)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_quantized_linear_equals_reference(isa, qtype):
+    k = _C.Kernels(isa)
+    n, kdim = 100, 512
+    qt = random_blocks(qtype, n, kdim, seed=len(qtype))
+    ref_w = qt.dequantize()  # gguf-py, float32
+    w = ops.QuantWeight(qt, k=k)
+    padded = -(-n // k.gemm_nr) * k.gemm_nr  # rows padded to whole panels
+    assert w.nbytes <= qt.nbytes * padded / n * 1.05  # the blocks, not a widened copy (K-quants unpack scales)
+    # every row decodes to the reference dequantization, bit for bit
+    ids = torch.randperm(n)
+    assert torch.equal(ops.dequantized_rows(w, ids, k=k), ref_w[ids])
+    dense = ops.PackedWeight(ref_w, k=k)
+    bias = torch.randn(n)
+    for m in (1, 2, 3, 17, 64):
+        x = torch.randn(m, kdim)
+        got = ops.linear(x, w, bias, k=k)
+        want = torch.addmm(bias.double(), x.double(), ref_w.double().T)  # float64: the rounding is ours
+        scale = float((x.abs() @ ref_w.abs().T).max())
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6 * scale)
+        # ... and equals the dense kernel on the dequantized weight exactly: quantized weights
+        # change nothing but the storage, and a row's result does not depend on the batch
+        assert torch.equal(got, ops.linear(x, dense, bias, k=k))
+        assert torch.equal(got[-1:], ops.linear(x[-1:].clone(), w, bias, k=k))
+
+
+def test_strided_output_and_input_rows():
+    qt = random_blocks("Q4_1", 64, 96)
+    w = ops.QuantWeight(qt)
+    x = torch.randn(5, 200)[:, :96]
+    out = torch.zeros(5, 80)
+    ops.linear(x, w, out=out[:, 8:72])
+    torch.testing.assert_close(out[:, 8:72], x @ qt.dequantize().T, rtol=1e-4, atol=1e-4)
+    assert not out[:, :8].any() and not out[:, 72:].any()
+
+
+def test_slicing_permuting_and_concatenating_blocks():
+    a, b = random_blocks("Q8_0", 40, 128, seed=1), random_blocks("Q8_0", 24, 128, seed=2)
+    full = torch.cat([a.dequantize(), b.dequantize()])
+    cat = cat_rows([a, b])
+    assert isinstance(cat, QuantTensor) and torch.equal(cat.dequantize(), full)
+    assert torch.equal(cat[10:30].dequantize(), full[10:30])
+    assert torch.equal(cat[:, 32:96].dequantize(), full[:, 32:96])  # block-aligned: stays quantized
+    widened = cat[:, 16:48]  # a shard boundary inside a block: the widened slice
+    assert isinstance(widened, torch.Tensor) and torch.equal(widened, full[:, 16:48])
+    perm = torch.randperm(64)
+    assert torch.equal(cat.permute_rows(perm).dequantize(), full[perm])
+    mixed = cat_rows([a, random_blocks("Q5_0", 8, 128)])  # different types: kept apart
+    assert isinstance(mixed, list) and len(mixed) == 2
+
+
+def test_stacked_weight_of_mixed_types_fills_its_columns():
+    parts = [random_blocks("Q5_0", 64, 128, seed=3), random_blocks("Q8_0", 32, 128, seed=4),
+             torch.randn(16, 128)]
+    w = ops.pack(parts, torch.float32)
+    assert ops.storage_name(w) == "Q5_0+Q8_0+float32"
+    ref = torch.cat([parts[0].dequantize(), parts[1].dequantize(), parts[2]])
+    bias = torch.randn(112)
+    for m in (1, 9):
+        x = torch.randn(m, 128)
+        torch.testing.assert_close(ops.linear(x, w, bias), torch.addmm(bias, x, ref.T), rtol=1e-4, atol=1e-4)
+
+
+def test_clear_errors():
+    qt = random_blocks("Q4_0", 32, 64)
+    with pytest.raises(ValueError, match="does not hold rows of 96 weights"):
+        QuantTensor(qt.data, qt.qtype, 96)
+    with pytest.raises(ValueError, match="not a multiple of the block"):
+        ops.KERNELS.qpacked_bytes(2, 32, 48)
+    with pytest.raises(ValueError, match="unsupported GGUF quantization type"):
+        ops.KERNELS.qpacked_bytes(10, 32, 256)  # Q2_K: not kept in blocks (widened at load)
+    with pytest.raises(IndexError, match="out of range"):
+        ops.dequantized_rows(ops.QuantWeight(qt), torch.tensor([32]))

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from cpuserve.model_executor import ops
+from cpuserve.model_executor import native_step, ops
+from cpuserve.model_executor.context import get_context
 from cpuserve.model_executor.parallel import TPGroup
 from cpuserve.model_executor.layers.attention import PagedAttention
 from cpuserve.model_executor.layers.embedding import Embedding, LMHead
@@ -31,6 +32,7 @@ class LlamaDecoderLayer:
         self.gate_up, self.down = gated_mlp(w, p, dtype, tp)
         self.input_norm = RMSNorm(w.take(p + "input_layernorm.weight"), c.rms_norm_eps)
         self.post_attn_norm = RMSNorm(w.take(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
+        self.native_ok = tp.size == 1  # native_step runs this layer (its all-reduces are no-ops)
 
     def __call__(self, positions, h, residual):
         if residual is None:
@@ -63,13 +65,18 @@ class LlamaForCausalLM(CausalLM):
         self.layers = [LlamaDecoderLayer(c, i, weights, dtype, tp, rotary) for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(weights.take("model.norm.weight"), c.rms_norm_eps)
         lm = weights.take_optional("lm_head.weight")
-        self.lm_head = LMHead(embed if lm is None or getattr(c, "tie_word_embeddings", False) else lm, dtype, tp)
+        tied = lm is None or getattr(c, "tie_word_embeddings", False)
+        self.lm_head = LMHead(embed if tied else lm, dtype, tp, packed=self.embed.shared_head(tp) if tied else None)
         weights.check_consumed(ignore=("rotary_emb.inv_freq",))
 
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h, residual = self.embed(input_ids), None
-        for layer in self.layers:
-            h, residual = layer(positions, h, residual)
+        native = native_step.decoder_for(self)
+        if native is not None:  # the same kernels in one native call
+            h, residual = native(h, positions, get_context())
+        else:
+            for layer in self.layers:
+                h, residual = layer(positions, h, residual)
         h, _ = self.norm(h, residual)
         return h

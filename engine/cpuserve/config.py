@@ -29,7 +29,7 @@ class EngineConfig:
     model: str | None = None          # HF directory, .gguf file; None = the packaged SmolLM2
     dtype: str = "auto"               # auto | float32 | bfloat16 | float16 (weights and KV cache)
     kv_cache_dtype: str = "auto"      # auto (= dtype) | float32 | bfloat16 | float16 | fp8_e5m2 | fp8_e4m3 (fp8)
-    quantization: str | None = None   # None/auto (a GGUF keeps its blocks) | gguf | none (widen to dtype)
+    quantization: str | None = None   # None/auto (as the checkpoint is) | gguf | awq | gptq | none (widen to dtype)
     block_size: int = 128
     kv_cache_space: float | None = None   # GiB; default from VLLM_CPU_KVCACHE_SPACE, else 4
     num_kv_blocks: int | None = None      # exact block count (tests); overrides kv_cache_space
@@ -54,8 +54,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.quantization not in (None, "auto", "gguf", "none"):
-            raise ValueError(f"quantization must be auto, gguf or none, got {self.quantization!r}")
+        if self.quantization not in (None, "auto", "gguf", "awq", "gptq", "none"):
+            raise ValueError(f"quantization must be auto, gguf, awq, gptq or none, got {self.quantization!r}")
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}")
         if self.tensor_parallel_size < 1:

@@ -25,8 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16", "fp8_e5m2", "fp8_e4m3", "fp8"],
                    help="fp8_e5m2 / fp8_e4m3 (fp8): one byte a value, with chunked prefill and prefix caching")
-    p.add_argument("--quantization", "-q", default="auto", choices=["auto", "gguf", "none"],
-                   help="auto: a GGUF keeps its quantized blocks (gguf); none: widen every weight to --dtype")
+    p.add_argument("--quantization", "-q", default="auto", choices=["auto", "gguf", "awq", "gptq", "none"],
+                   help="auto: a GGUF keeps its quantized blocks (gguf), an AWQ / GPTQ checkpoint its 4-bit groups; "
+                        "none: widen every weight to --dtype")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--kv-cache-space", type=float, default=None,
                    help="GiB for the KV cache (default: VLLM_CPU_KVCACHE_SPACE, else 4)")
@@ -188,6 +189,17 @@ def format_topology(topo, membind: bool, why: str) -> str:
     return "\n".join(lines)
 
 
+def cmd_quantize(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from cpuserve.entrypoints.quantize import quantize
+    from cpuserve.loading.model_loader import resolve
+
+    quantize(resolve(a.model), Path(a.out), a.method, a.group_size, a.act_order)
+    print(f"wrote {a.method} (group {a.group_size}{', act-order' if a.act_order else ''}) to {a.out}")
+    return 0
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     import json
 
@@ -252,6 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     bn.add_argument("--tokens", type=int, default=32, help="decode steps measured per batch size")
     bn.add_argument("--json", action="store_true", help="machine-readable output")
     bn.set_defaults(func=cmd_bench)
+    qz = sub.add_parser("quantize", help="write an AWQ- or GPTQ-layout 4-bit checkpoint of a model (round to "
+                                         "nearest per group; see entrypoints/quantize.py)")
+    qz.add_argument("out", help="output directory")
+    qz.add_argument("--model", default=None, help="source model (default: the packaged SmolLM2)")
+    qz.add_argument("--method", choices=["awq", "gptq"], default="awq")
+    qz.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64)
+    qz.add_argument("--act-order", action="store_true", help="GPTQ desc_act: groups by decreasing column norm")
+    qz.set_defaults(func=cmd_quantize)
     f = sub.add_parser("fetch", help="download a model file (http(s):// or s3://) and verify its SHA-256")
     f.add_argument("source")
     f.add_argument("--sha256", required=True, help="the file's SHA-256 (hex): nothing unverified is kept")

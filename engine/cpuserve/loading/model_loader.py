@@ -143,20 +143,24 @@ def from_le_bytes(buf: bytearray, dtype: torch.dtype, shape, big_endian_host: bo
     return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
-QUANTIZATIONS = ("auto", "gguf", "none")
+QUANTIZATIONS = ("auto", "gguf", "awq", "gptq", "none")
 
 
 def checkpoint_quantization(model_dir: Path, requested: str | None) -> str:
-    """How the weights are kept: "gguf" (a GGUF's quantized tensors in their blocks, the
-    default for a GGUF) or "none" (every weight widened to the model dtype)."""
+    """How the weights are kept: "gguf" (a GGUF's quantized tensors in their blocks), "awq" or
+    "gptq" (a checkpoint's 4-bit groups, as Q4_ZP blocks), each the default for its checkpoint,
+    or "none" (every weight widened to the model dtype)."""
     from cpuserve.loading.gguf_loader import gguf_source
+    from cpuserve.loading.hf_quant import quant_config
 
     requested = requested or "auto"
     if requested not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {requested!r}")
-    found = "gguf" if gguf_source(model_dir) is not None else "none"
-    if requested == "gguf" and found != "gguf":
-        raise ValueError(f"quantization='gguf' needs a .gguf model file; {model_dir} is not one")
+    qc = quant_config(model_dir)
+    found = "gguf" if gguf_source(model_dir) is not None else qc["quant_method"] if qc else "none"
+    if requested not in ("auto", "none", found):
+        raise ValueError(f"quantization={requested!r} does not match the checkpoint in {model_dir} "
+                         f"({found if found != 'none' else 'not quantized'})")
     return found if requested == "auto" else requested
 
 
@@ -164,8 +168,11 @@ def load_state_dict(model_dir: Path, quantization: str = "none"):
     """The checkpoint's tensors, read lazily: a directory's safetensors, or the GGUF a
     converted directory points to (quantized tensors kept unless quantization is "none")."""
     from cpuserve.loading.gguf_loader import GGUFTensors, gguf_source
+    from cpuserve.loading.hf_quant import QuantizedCheckpoint, quant_config
 
     src = gguf_source(model_dir)
     if src is not None:
         return GGUFTensors(model_dir, dequantize=quantization == "none")
-    return LazyTensors(sorted(model_dir.glob("*.safetensors")))
+    tensors = LazyTensors(sorted(model_dir.glob("*.safetensors")))
+    qc = quant_config(model_dir)
+    return QuantizedCheckpoint(tensors, qc, dequantize=quantization == "none") if qc else tensors

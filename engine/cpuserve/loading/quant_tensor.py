@@ -10,20 +10,25 @@ import torch
 QTYPES = {
     2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
     12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
+    # not a ggml type: AWQ / GPTQ weights regrouped into blocks of 32 (loading/hf_quant.py):
+    # f16 scale d, u8 zero point z, u8 0, 16 bytes of 4-bit codes as Q4_0's; w = d * (q - z)
+    100: ("Q4_ZP", 32, 20),
 }
+Q4_ZP = 100
 
 
 class QuantTensor:
     """A [rows, k] weight in GGUF blocks: `data` uint8 [rows, k / block * block_bytes],
-    block fields in this machine's byte order."""
+    block fields in this machine's byte order. `input_perm` (GPTQ act-order): the weight's
+    input features are stored in this order, so x[:, input_perm] is what multiplies it."""
 
-    __slots__ = ("data", "qtype", "shape")
+    __slots__ = ("data", "qtype", "shape", "input_perm")
 
-    def __init__(self, data: torch.Tensor, qtype: int, k: int):
+    def __init__(self, data: torch.Tensor, qtype: int, k: int, input_perm: torch.Tensor | None = None):
         name, block, nbytes = QTYPES[qtype]
         if data.dtype != torch.uint8 or data.dim() != 2 or k % block or data.shape[1] != k // block * nbytes:
             raise ValueError(f"{name} data of shape {tuple(data.shape)} does not hold rows of {k} weights")
-        self.data, self.qtype, self.shape = data, qtype, (data.shape[0], k)
+        self.data, self.qtype, self.shape, self.input_perm = data, qtype, (data.shape[0], k), input_perm
 
     @property
     def type_name(self) -> str:
@@ -38,27 +43,41 @@ class QuantTensor:
 
     def __getitem__(self, index):
         if not isinstance(index, tuple):
-            return QuantTensor(self.data[index], self.qtype, self.shape[1])
+            return QuantTensor(self.data[index], self.qtype, self.shape[1], self.input_perm)
         rows, cols = index
         if rows != slice(None) or not isinstance(cols, slice) or cols.step not in (None, 1):
             raise IndexError("a quantized weight is sliced by rows, or by a range of columns")
+        if self.input_perm is not None and cols.indices(self.shape[1])[:2] != (0, self.shape[1]):
+            raise ValueError("GPTQ act-order weights (desc_act) cannot be split by input features "
+                             "(tensor-parallel row shards); run them with tensor_parallel_size=1")
         start, stop, _ = cols.indices(self.shape[1])
         _, block, nbytes = QTYPES[self.qtype]
         if start % block or stop % block:  # a shard boundary inside a block: only the widened slice exists
             return self.dequantize()[:, start:stop]
         return QuantTensor(self.data[:, start // block * nbytes: stop // block * nbytes].contiguous(), self.qtype,
-                           stop - start)
+                           stop - start, self.input_perm)
 
     def permute_rows(self, index: torch.Tensor) -> "QuantTensor":
-        return QuantTensor(self.data[index].contiguous(), self.qtype, self.shape[1])
+        return QuantTensor(self.data[index].contiguous(), self.qtype, self.shape[1], self.input_perm)
 
     def dequantize(self) -> torch.Tensor:
-        """float32 values (gguf-py's reference dequantization)."""
+        """float32 values (gguf-py's reference dequantization; for Q4_ZP, d * (q - z)), in
+        the original order of the input features."""
         import gguf
         import numpy as np
 
-        out = gguf.quants.dequantize(np.ascontiguousarray(self.data.numpy()), gguf.GGMLQuantizationType(self.qtype))
-        return torch.from_numpy(np.array(out, dtype=np.float32)).reshape(self.shape)
+        if self.qtype == Q4_ZP:
+            b = self.data.reshape(-1, 20)
+            d = b[:, :2].contiguous().view(torch.float16).float()
+            z = b[:, 2:3].float()
+            q = torch.cat([b[:, 4:] & 15, b[:, 4:] >> 4], dim=1).float()
+            w = ((q - z) * d).reshape(self.shape)
+        else:
+            out = gguf.quants.dequantize(np.ascontiguousarray(self.data.numpy()), gguf.GGMLQuantizationType(self.qtype))
+            w = torch.from_numpy(np.array(out, dtype=np.float32)).reshape(self.shape)
+        if self.input_perm is not None:
+            w = torch.empty_like(w).index_copy_(1, self.input_perm, w)
+        return w
 
 
 def cat_rows(parts: list):
@@ -67,7 +86,10 @@ def cat_rows(parts: list):
     packed on its own and fills its own columns of the output)."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)
+    perms = [getattr(p, "input_perm", None) for p in parts]
+    if any(q is not None for q in perms) and not all(q is not None and torch.equal(q, perms[0]) for q in perms):
+        raise ValueError("fused projections whose GPTQ act-order permutations differ are not supported")
     if all(isinstance(p, QuantTensor) for p in parts) and len({p.qtype for p in parts}) == 1 \
             and len({p.shape[1] for p in parts}) == 1:
-        return QuantTensor(torch.cat([p.data for p in parts]), parts[0].qtype, parts[0].shape[1])
+        return QuantTensor(torch.cat([p.data for p in parts]), parts[0].qtype, parts[0].shape[1], perms[0])
     return list(parts)

@@ -53,6 +53,7 @@ inline void unpack_gguf(int t, const uint8_t* b, QBlock& o) {
   switch (static_cast<QType>(t)) {
     case QType::Q4_0: o.d = rd16(b); nibbles32(b + 2, o.u); break;
     case QType::Q4_1: o.d = rd16(b); o.m = rd16(b + 2); nibbles32(b + 4, o.u); break;
+    case QType::Q4_ZP: o.d = rd16(b); o.sc[0] = b[2]; nibbles32(b + 4, o.u); break;
     case QType::Q5_0:
     case QType::Q5_1: {
       const int h = t == int(QType::Q5_1) ? 2 : 0;
@@ -103,6 +104,7 @@ inline void put_column(const QFormat& f, int t, const QBlock& q, uint8_t* chunk,
   const int nr = kNR;
   std::memcpy(chunk + 2 * j, &q.d, 2);
   if (f.header >= 4 && t != int(QType::Q6_K)) std::memcpy(chunk + 2 * nr + 2 * j, &q.m, 2);
+  if (t == int(QType::Q4_ZP)) chunk[2 * nr + j] = q.sc[0];
   if (f.header == 20)
     for (int g = 0; g < 8; ++g) {
       chunk[4 * nr + g * nr + j] = q.sc[g];
@@ -152,6 +154,9 @@ inline void group_so(const uint8_t* chunk, int g, int col0, VecF& s, VecF& o) {
   } else if constexpr (f.offset_code == 0) {  // Q4_1, Q5_1: d, m
     s = d;
     o = VecF::load(reinterpret_cast<const f16*>(chunk + 2 * kNR) + col0);
+  } else if constexpr (f.offset_code < 0) {  // Q4_ZP: d, -(d * z)
+    s = d;
+    o = VecF::zero() - d * VecF::u8(chunk + 2 * kNR + col0, 0, 255);
   } else {
     s = d;
     o = d * VecF::set1(-static_cast<float>(f.offset_code));
@@ -336,6 +341,8 @@ void q_row(float* out, const uint8_t* w, int64_t id, int64_t k) {
         o = s * -32.f;
       } else if constexpr (f.offset_code == 0) {
         o = to_float(reinterpret_cast<const f16*>(ch + 2 * kNR)[j]);
+      } else if constexpr (f.offset_code < 0) {
+        o = 0.f - d * static_cast<float>(ch[2 * kNR + j]);
       } else {
         o = d * -static_cast<float>(f.offset_code);
       }
@@ -372,6 +379,7 @@ void qrows_t(float* out, const uint8_t* w, const int64_t* ids, int64_t count, in
     case 12: CALL(12); break;          \
     case 13: CALL(13); break;          \
     case 14: CALL(14); break;          \
+    case 100: CALL(100); break;        \
     default: break;                    \
   }
 

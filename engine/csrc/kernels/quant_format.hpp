@@ -6,7 +6,7 @@
 // of a panel (NR columns of W^T) decodes into two vectors with a load, a shift
 // and a convert. For panel p and block b, the NR columns' data is one chunk:
 //
-//   header  per column: f16 d; f16 m / dmin (Q4_1, Q5_1, K-quants);
+//   header  per column: f16 d; f16 m / dmin (Q4_1, Q5_1, K-quants) or u8 zero point (Q4_ZP);
 //           u8 sub-block scales and mins (K-quants), each as [groups][NR]
 //   codes   low nibbles, two rows per byte:       [B / 2][NR]
 //           then Q5: the fifth bit, 8 rows a byte: [B / 8][NR]
@@ -24,7 +24,11 @@
 namespace cpuserve {
 
 // ggml's type ids, so Python passes gguf.GGMLQuantizationType values through.
-enum class QType : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum class QType : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+                         // Not a ggml type: 4-bit codes with a float16 scale and a 4-bit zero point per
+                         // 32 weights, d * (q - z): AWQ and GPTQ checkpoints, regrouped at load. Its
+                         // blocks: f16 d, u8 z, u8 0, 16 bytes of codes as Q4_0's (20 bytes).
+                         Q4_ZP = 100 };
 
 struct QFormat {
   int block;        // weights per block along K (B)
@@ -32,7 +36,8 @@ struct QFormat {
   int group;        // rows sharing one scale and offset
   int bits;         // code width: 4, 5, 6 or 8
   int header;       // header bytes per column per block
-  int offset_code;  // O = -offset_code * S for the symmetric types (0: O read from the header)
+  int offset_code;  // O = -offset_code * S for the symmetric types (0: O read from the header;
+                    // -1: O = -z * S with the zero point z in the header)
 };
 
 constexpr QFormat kNoFormat = {0, 0, 0, 0, 0, 0};
@@ -47,6 +52,7 @@ constexpr QFormat qformat(int t) {
     case QType::Q4_K: return {256, 144, 32, 4, 20, 0};
     case QType::Q5_K: return {256, 176, 32, 5, 20, 0};
     case QType::Q6_K: return {256, 210, 16, 6, 18, 32};
+    case QType::Q4_ZP: return {32, 20, 32, 4, 3, -1};
   }
   return kNoFormat;
 }

@@ -238,7 +238,7 @@ std::vector<uint8_t> random_gguf(int t, int64_t n, int64_t k, uint32_t seed) {
 TEST(Quantized, GemmEqualsDenseOnDequantizedWeightsEveryTable) {
   std::vector<const KernelTable*> tables = vector_tables();
   tables.push_back(table_scalar());
-  for (int t : {2, 3, 6, 7, 8, 12, 13, 14}) {
+  for (int t : {2, 3, 6, 7, 8, 12, 13, 14, 100}) {
     const int64_t n = 70, k = qformat(t).block == 256 ? 512 : 96;
     const auto raw = random_gguf(t, n, k, 100 + t);
     std::vector<float> w_ref;

@@ -36,7 +36,7 @@ def test_quantization_option_is_checked(tmp_path):
     with pytest.raises(ValueError, match="quantization must be one of"):
         checkpoint_quantization(resolve(None), "awq-ish")
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match="needs a .gguf model file"):
+    with pytest.raises(ValueError, match="does not match the checkpoint"):
         checkpoint_quantization(tmp_path, "gguf")
     assert checkpoint_quantization(tmp_path, None) == "none"
 

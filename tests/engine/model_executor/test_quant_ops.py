@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cpuserve import _C
-from cpuserve.loading.quant_tensor import QTYPES, QuantTensor, cat_rows
+from cpuserve.loading.quant_tensor import Q4_ZP, QTYPES, QuantTensor, cat_rows
 from cpuserve.model_executor import ops
 
 ISAS = _C.available_isas()
@@ -17,10 +17,14 @@ TYPES = [name for name, _, _ in QTYPES.values()]
 def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> QuantTensor:
     """Blocks from gguf-py's quantizer where it has one (Q4_0 ... Q8_0), else random bytes
     with finite f16 scales (every bit pattern of a K-quant's codes and 6-bit scales is valid)."""
-    t = getattr(gguf.GGMLQuantizationType, qtype)
+    t = Q4_ZP if qtype == "Q4_ZP" else int(getattr(gguf.GGMLQuantizationType, qtype))
     rng = np.random.default_rng(seed)
-    _, block, nbytes = QTYPES[int(t)]
-    if block == 32:
+    _, block, nbytes = QTYPES[t]
+    if t == Q4_ZP:  # AWQ / GPTQ groups: scale, zero point 0..15, a zero byte, codes
+        raw = rng.integers(0, 256, size=(n * k // block, nbytes), dtype=np.uint8)
+        raw[:, 0:2] = rng.uniform(1e-3, 3e-2, len(raw)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        raw[:, 2], raw[:, 3] = rng.integers(0, 16, len(raw)), 0
+    elif block == 32:
         raw = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), t).view(np.uint8)
     else:
         raw = rng.integers(0, 256, size=(n * k // block, nbytes), dtype=np.uint8)
@@ -30,7 +34,7 @@ def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> QuantTensor:
         else:
             raw[:, 0:2] = half(len(raw), 1).reshape(-1, 2)
             raw[:, 2:4] = half(len(raw), rng.choice([-1, 1], len(raw))).reshape(-1, 2)
-    return QuantTensor(torch.from_numpy(np.ascontiguousarray(raw).reshape(n, -1)), int(t), k)
+    return QuantTensor(torch.from_numpy(np.ascontiguousarray(raw).reshape(n, -1)), t, k)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -95,6 +99,21 @@ def test_stacked_weight_of_mixed_types_fills_its_columns():
     for m in (1, 9):
         x = torch.randn(m, 128)
         torch.testing.assert_close(ops.linear(x, w, bias), torch.addmm(bias, x, ref.T), rtol=1e-4, atol=1e-4)
+
+
+def test_permuted_inputs_follow_the_weight():
+    """GPTQ act-order: the weight stores its input features permuted; dequantize() gives them
+    back in the original order and the layer gathers its input the same way."""
+    from cpuserve.model_executor.layers.linear import Linear
+    qt = random_blocks("Q4_ZP", 48, 128, seed=9)
+    perm = torch.randperm(128)
+    qt.input_perm = perm
+    layer = Linear(qt, None, torch.float32)
+    x = torch.randn(3, 128)
+    w = qt.dequantize()
+    torch.testing.assert_close(layer(x), x @ w.T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="cannot be split by input features"):
+        qt[:, :64]
 
 
 def test_clear_errors():

@@ -16,6 +16,9 @@ class Linear:
     its GGUF blocks when the checkpoint is quantized."""
 
     def __init__(self, weight, bias: torch.Tensor | None, dtype: torch.dtype):
+        # GPTQ act-order: the weight's input features are stored permuted, and so must x be
+        parts = weight if isinstance(weight, list) else [weight]
+        self.in_perm = next((p.input_perm for p in parts if getattr(p, "input_perm", None) is not None), None)
         self.weight = ops.pack(weight, dtype)
         self.bias = bias.float().contiguous() if bias is not None else None
 
@@ -23,8 +26,11 @@ class Linear:
     def out_features(self) -> int:
         return self.weight.n
 
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.in_perm is None else x.index_select(1, self.in_perm)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return ops.linear(self.inputs(x), self.weight, self.bias)
 
 
 class ColumnParallelLinear(Linear):
@@ -45,7 +51,7 @@ class RowParallelLinear(Linear):
         self.full_bias = bias.float().contiguous() if bias is not None else None
 
     def __call__(self, x):
-        y = self.tp.all_reduce(ops.linear(x, self.weight))
+        y = self.tp.all_reduce(ops.linear(self.inputs(x), self.weight))
         if self.full_bias is not None:
             y += self.full_bias
         return y

@@ -32,7 +32,9 @@ class LlamaDecoderLayer:
         self.gate_up, self.down = gated_mlp(w, p, dtype, tp)
         self.input_norm = RMSNorm(w.take(p + "input_layernorm.weight"), c.rms_norm_eps)
         self.post_attn_norm = RMSNorm(w.take(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
-        self.native_ok = tp.size == 1  # native_step runs this layer (its all-reduces are no-ops)
+        # native_step runs this layer: one rank (its all-reduces are no-ops), inputs not permuted
+        self.native_ok = tp.size == 1 and all(
+            lin.in_perm is None for lin in (self.qkv, self.o_proj, self.gate_up, self.down))
 
     def __call__(self, positions, h, residual):
         if residual is None:

@@ -60,9 +60,25 @@ def llama_bin() -> Path:
 
 
 def models() -> tuple[Path, Path]:
-    """(the default Q4_1 GGUF, the Hugging Face directory cpuserve converts it into)."""
+    """(the default Q4_1 GGUF, a Hugging Face directory of the same weights widened to float32
+    for vLLM and transformers, written once into the peers cache)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from cpuserve.loading.gguf_loader import GGUFTensors
     from cpuserve.loading.model_loader import default_model_path, resolve
-    return default_model_path(), Path(resolve(None))
+    gguf, meta = default_model_path(), Path(resolve(None))
+    out = CACHE / "models" / f"smollm2-135m-hf-f32-{gguf.stat().st_size:x}"
+    if not (out / "model.safetensors").exists():
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(meta, tmp, ignore=shutil.ignore_patterns("gguf_tensors.json", "cpuserve_source.json"))
+        tensors = GGUFTensors(meta, dequantize=True)
+        save_file({n: tensors.pop(n).to(torch.float32).contiguous() for n in list(tensors)}, str(tmp / "model.safetensors"))
+        tmp.rename(out)
+    return gguf, out
 
 
 def llama_files(gguf: Path) -> dict[str, Path]:

@@ -120,28 +120,31 @@ template <> inline f16 from_float<f16>(float x) {
   return f16{static_cast<uint16_t>(sign | (r >> 13))};
 }
 
+// |x|'s bits u (finite, below the overflow threshold) rounded to nearest even into a float8 with
+// `mbits` mantissa bits and exponent bias `bias`, as c10's Float8 conversions do: subnormal
+// results are left to the float adder's rounding, normal ones rebias and round the bits.
+inline uint8_t f8_round(uint32_t u, int mbits, int bias) {
+  const int shift = 23 - mbits;
+  if (u < (static_cast<uint32_t>(128 - bias) << 23)) {
+    const uint32_t denorm = static_cast<uint32_t>(128 - bias + shift) << 23;
+    float f, dm;
+    std::memcpy(&f, &u, 4);
+    std::memcpy(&dm, &denorm, 4);
+    f += dm;
+    std::memcpy(&u, &f, 4);
+    return static_cast<uint8_t>(u - denorm);
+  }
+  u += (static_cast<uint32_t>(bias - 127) << 23) + ((1u << (shift - 1)) - 1u) + ((u >> shift) & 1u);
+  return static_cast<uint8_t>(u >> shift);
+}
+
 // Round to nearest even as torch (c10's Float8_e5m2): beyond the range, inf; NaN kept.
 template <> inline f8e5m2 from_float<f8e5m2>(float x) {
   uint32_t u;
   std::memcpy(&u, &x, 4);
   const uint32_t sign = u & 0x80000000u;
   u ^= sign;
-  uint8_t r;
-  if (u >= (143u << 23)) {
-    r = u > 0x7f800000u ? 0x7f : 0x7c;
-  } else if (u < (113u << 23)) {  // subnormal in e5m2: let the float adder round
-    float f, dm;
-    const uint32_t denorm = 134u << 23;
-    std::memcpy(&f, &u, 4);
-    std::memcpy(&dm, &denorm, 4);
-    f += dm;
-    std::memcpy(&u, &f, 4);
-    r = static_cast<uint8_t>(u - denorm);
-  } else {
-    const uint32_t odd = (u >> 21) & 1u;
-    u += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffffu + odd;
-    r = static_cast<uint8_t>(u >> 21);
-  }
+  const uint8_t r = u >= (143u << 23) ? (u > 0x7f800000u ? 0x7f : 0x7c) : f8_round(u, 2, 15);
   return f8e5m2{static_cast<uint8_t>(r | (sign >> 24))};
 }
 
@@ -152,24 +155,8 @@ template <> inline f8e4m3 from_float<f8e4m3>(float x) {
   std::memcpy(&u, &x, 4);
   const uint32_t sign = u & 0x80000000u;
   u ^= sign;
-  uint8_t r;
-  if (u > 0x7f800000u) {
-    r = 0x7f;
-  } else if (u > 0x43e80000u) {  // above 464: would round past 448
-    r = 0x7e;
-  } else if (u < (121u << 23)) {
-    float f, dm;
-    const uint32_t denorm = 141u << 23;
-    std::memcpy(&f, &u, 4);
-    std::memcpy(&dm, &denorm, 4);
-    f += dm;
-    std::memcpy(&u, &f, 4);
-    r = static_cast<uint8_t>(u - denorm);
-  } else {
-    const uint32_t odd = (u >> 20) & 1u;
-    u += (static_cast<uint32_t>(7 - 127) << 23) + 0x7ffffu + odd;
-    r = static_cast<uint8_t>(u >> 20);
-  }
+  // above 464 a value would round past 448
+  const uint8_t r = u > 0x7f800000u ? 0x7f : u > 0x43e80000u ? 0x7e : f8_round(u, 3, 7);
   return f8e4m3{static_cast<uint8_t>(r | (sign >> 24))};
 }
 

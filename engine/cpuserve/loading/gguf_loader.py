@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cpuserve.loading.lazy import LazyByName
 from cpuserve.loading.quant_tensor import QTYPES, QuantTensor
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
@@ -181,30 +182,20 @@ def gguf_source(model_dir: Path) -> Path | None:
     return Path(json.loads(src.read_text())["gguf"]) if src.exists() else None
 
 
-class GGUFTensors:
+class GGUFTensors(LazyByName):
     """Hugging Face name -> tensor, read from the GGUF file when popped, with plain file
     reads at the offsets of the converted directory's index (no memory map: no mapped page
     of the weights stays resident). Quantized tensors of the types the kernels run come as
     QuantTensor unless `dequantize`; every other one as float32 (F16 as is)."""
 
     def __init__(self, model_dir: Path, dequantize: bool = False):
+        super().__init__()
         index = json.loads((Path(model_dir) / "gguf_tensors.json").read_text())
         self.path, self.dequantize = gguf_source(model_dir), dequantize
         self.arch, self.swapped, self.heads = index["arch"], index["swapped"], index["heads"]
         self._where = index["tensors"]
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
-
-    def __iter__(self):
-        return iter(list(self._where))
-
-    def pop(self, name: str, *default):
-        t = self._where.pop(name, None)
-        if t is None:
-            if default:
-                return default[0]
-            raise KeyError(name)
+    def _load(self, name: str, t: dict):
         w = self._read(t)
         proj = name.rsplit(".", 2)[-2]
         if self.arch == "llama" and proj in self.heads:

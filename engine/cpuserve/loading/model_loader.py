@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from cpuserve.loading.lazy import LazyByName
+
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -89,13 +91,13 @@ _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16
               "BOOL": torch.bool}
 
 
-class LazyTensors:
+class LazyTensors(LazyByName):
     """name -> tensor, read from the safetensors files only when popped, with
     plain file reads (no memory map: mapped file pages would count in the
     process's resident memory for as long as any tensor referenced them)."""
 
     def __init__(self, files: list[Path]):
-        self._where: dict[str, tuple[Path, dict, int]] = {}
+        super().__init__()
         for f in files:
             with open(f, "rb") as fh:
                 n = int.from_bytes(fh.read(8), "little")
@@ -107,18 +109,7 @@ class LazyTensors:
                 if name != "__metadata__":
                     self._where[name] = (f, info, 8 + n)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
-
-    def __iter__(self):
-        return iter(list(self._where))
-
-    def pop(self, name: str, *default):
-        entry = self._where.pop(name, None)
-        if entry is None:
-            if default:
-                return default[0]
-            raise KeyError(name)
+    def _load(self, name: str, entry):
         path, info, base = entry
         dtype = _ST_DTYPES.get(info["dtype"])
         if dtype is None:

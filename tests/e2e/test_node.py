@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import urllib.request
 from pathlib import Path
 
@@ -167,9 +168,15 @@ def test_memory_binding_is_effective_under_the_agents_profile(node):
     assert topo["memory_binding"]["effective"] is True, topo["memory_binding"]
     logs = node.kubectl("logs", "-n", NS, pod["metadata"]["name"], "-c", "engine").stdout
     assert MEMBIND_WARNING not in logs
-    # the KV cache the 1.75 GiB limit leaves, with the computation in the log
+    # the KV cache the 1.75 GiB limit leaves, with the computation in the log: limit - in use -
+    # weights (the GGUF's blocks, 0.09 GiB) - runtime reserve
     line = next((ln for ln in logs.splitlines() if "KV cache" in ln and "memory limit 1.75 GiB" in ln), None)
-    assert line and 0 < float(line.split("KV cache ")[1].split(" GiB")[0]) < 1, logs[-3000:]
+    assert line, logs[-3000:]
+    nums = [float(x) for x in re.findall(r"([0-9.]+) GiB", line.split("memory limit")[1])[:1]
+            + re.findall(r"- (?:in use|weights|runtime reserve) ([0-9.]+)", line)]
+    kv = float(line.split("KV cache ")[1].split(" GiB")[0])
+    assert len(nums) == 4 and 0 < kv < 1.75 and abs(nums[0] - sum(nums[1:]) - kv) < 0.02, line
+    assert nums[2] < 0.1, line  # the weights stay in their blocks in the pod too
 
 
 def test_streamed_chat_and_metrics_through_the_service(node):

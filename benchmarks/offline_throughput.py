@@ -37,10 +37,16 @@ def prompts():
 
 
 def case_engine(dtype: str) -> dict:
-    """dtype "gguf": the default GGUF in its Q4_1 blocks; float32 / bfloat16: every weight widened."""
+    """dtype "gguf": the default GGUF in its Q4_1 blocks; "w8a8": its weights as an INT8 W8A8
+    checkpoint (made once into the cache, before the clock starts); float32 / bfloat16: every
+    weight widened."""
+    from cpuserve.entrypoints.bench import engine_llm
+    from cpuserve.entrypoints.quantize import default_w8a8
+    if dtype == "w8a8":
+        default_w8a8()
     t0 = time.perf_counter()
-    from cpuserve import LLM, SamplingParams
-    llm = LLM(dtype="float32" if dtype == "gguf" else dtype, quantization="gguf" if dtype == "gguf" else "none")
+    from cpuserve import SamplingParams
+    llm = engine_llm(dtype)
     ready = time.perf_counter() - t0
     runner = llm.engine.runner
     ps = prompts()
@@ -120,14 +126,15 @@ def main() -> None:
     ap.add_argument("--case")
     a = ap.parse_args()
     if a.case:
-        fn = {"q4_1": lambda: case_engine("gguf"), "f32": lambda: case_engine("float32"),
+        fn = {"q4_1": lambda: case_engine("gguf"), "w8a8": lambda: case_engine("w8a8"),
+              "f32": lambda: case_engine("float32"),
               "bf16": lambda: case_engine("bfloat16"),
               "hf": case_transformers, "cold": case_cold_start}[a.case]
         print(json.dumps(fn()))
         return
 
     OUT.mkdir(parents=True, exist_ok=True)
-    results = {"q4_1": [], "f32": [], "bf16": []}
+    results = {"q4_1": [], "w8a8": [], "f32": [], "bf16": []}
     for i in range(REPEATS):
         for name in results:
             results[name].append(run_case(name))
@@ -143,7 +150,7 @@ def main() -> None:
 def write_report(results: dict, hf: dict, cold: dict) -> None:
     import platform
     rows = []
-    for name, label in (("q4_1", "Q4_1 blocks"), ("f32", "float32"), ("bf16", "bfloat16")):
+    for name, label in (("q4_1", "Q4_1 blocks"), ("w8a8", "INT8 W8A8"), ("f32", "float32"), ("bf16", "bfloat16")):
         runs = results[name]
         tps, tps_lo, tps_hi = summarize(runs, "tok_per_s")
         dec, dec_lo, dec_hi = summarize(runs, "decode_ms")
@@ -197,7 +204,7 @@ def plot(rows: list[dict], hf: dict) -> None:
              ["vLLM CPU\nfloat32 (reported)", "vLLM CPU\nbfloat16 (reported)"]
     vals = [r["tps"] for r in rows] + [hf["tok_per_s"], VLLM_REFERENCE["float32"], VLLM_REFERENCE["bfloat16"]]
     errs = [[r["tps"] - r["tps_lo"] for r in rows] + [0, 0, 0], [r["tps_hi"] - r["tps"] for r in rows] + [0, 0, 0]]
-    colors = ["#2ca02c", "#1f77b4", "#4a9be0", "#999999", "#d62728", "#f08080"]
+    colors = ["#2ca02c", "#8c564b", "#1f77b4", "#4a9be0", "#999999", "#d62728", "#f08080"]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.bar(labels, vals, yerr=errs, color=colors, capsize=4)
     for i, v in enumerate(vals):

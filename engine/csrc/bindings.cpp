@@ -46,7 +46,7 @@ cpuserve::QFormat qformat_checked(int t, int64_t k) {
 
 std::vector<std::string> available_isas() {
   std::vector<std::string> out;
-  for (const char* n : {"avx512", "avx2", "neon", "vxe", "scalar"})
+  for (const char* n : cpuserve::kIsaNames)
     if (cpuserve::table_by_name(n) != nullptr) out.emplace_back(n);
   return out;
 }
@@ -100,14 +100,15 @@ PYBIND11_MODULE(_C, m) {
   using cpuserve::DecoderLayerDesc;
   using cpuserve::DecoderStack;
   using cpuserve::LinearDesc;
-  // A linear: (k, bias address or 0, [(weight address, kind, n), ...]); kind: DType code or 16 + ggml type.
+  // A linear: (k, bias address or 0, [(weight address, kind, n), ...]); kind: DType code, 16 + ggml type or kInt8Kind (+ 1).
   using LinearSpec = std::tuple<int64_t, uintptr_t, std::vector<std::tuple<uintptr_t, int, int64_t>>>;
   auto to_linear = [](const LinearSpec& s) {
     LinearDesc l;
     l.k = std::get<0>(s);
     l.bias = std::get<1>(s) ? ptr<const float>(std::get<1>(s)) : nullptr;
     for (const auto& [w, kind, n] : std::get<2>(s)) {
-      if (kind >= 16) qformat_checked(kind - 16, l.k);
+      if (kind == cpuserve::kInt8Kind || kind == cpuserve::kInt8Kind + 1) {}  // W8A8
+      else if (kind >= 16) qformat_checked(kind - 16, l.k);
       else to_dtype(kind);
       l.parts.push_back({ptr<const void>(w), kind, n});
       l.n += n;
@@ -230,5 +231,14 @@ PYBIND11_MODULE(_C, m) {
                        int64_t kk) {
              qformat_checked(qt, kk);
              k.t->qrows(ptr<float>(out), ptr<const uint8_t>(w), qt, ptr<const int64_t>(ids), count, kk);
+           }, G())
+      .def("i8packed_bytes", [](const Kernels& k, int64_t n, int64_t kk) { return k.t->i8packed_bytes(n, kk); })
+      .def("i8pack", [](const Kernels& k, uintptr_t dst, uintptr_t w, uintptr_t scale, int64_t n, int64_t kk) {
+             k.t->i8pack(ptr<uint8_t>(dst), ptr<const int8_t>(w), ptr<const float>(scale), n, kk);
+           }, G())
+      .def("i8gemm", [](const Kernels& k, uintptr_t c, uintptr_t a, uintptr_t w, uintptr_t bias, int64_t m, int64_t n,
+                        int64_t kk, int64_t lda, int64_t ldc, bool act_asym) {
+             k.t->i8gemm(ptr<float>(c), ptr<const float>(a), ptr<const uint8_t>(w),
+                         bias ? ptr<const float>(bias) : nullptr, m, n, kk, lda, ldc, act_asym);
            }, G());
 }

@@ -5,8 +5,13 @@
 #include <initializer_list>
 #include "kernel_table.hpp"
 
-#if defined(__s390x__)
+#if defined(__s390x__) || defined(__aarch64__)
 #include <sys/auxv.h>
+#endif
+#if defined(__aarch64__) && !defined(HWCAP_ASIMDDP)
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#if defined(__s390x__)
 #ifndef HWCAP_S390_VXRS_EXT
 #define HWCAP_S390_VXRS_EXT 8192
 #endif
@@ -20,8 +25,14 @@ const KernelTable* table_avx2() { return nullptr; }
 #ifndef CPUSERVE_HAVE_AVX512
 const KernelTable* table_avx512() { return nullptr; }
 #endif
+#ifndef CPUSERVE_HAVE_AVX512_VNNI
+const KernelTable* table_avx512_vnni() { return nullptr; }
+#endif
 #ifndef CPUSERVE_HAVE_NEON
 const KernelTable* table_neon() { return nullptr; }
+#endif
+#ifndef CPUSERVE_HAVE_NEON_DOTPROD
+const KernelTable* table_neon_dotprod() { return nullptr; }
 #endif
 #ifndef CPUSERVE_HAVE_VXE
 const KernelTable* table_vxe() { return nullptr; }
@@ -32,6 +43,7 @@ namespace {
 bool cpu_has(const char* isa) {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
+  if (std::strcmp(isa, "avx512_vnni") == 0) return cpu_has("avx512") && __builtin_cpu_supports("avx512vnni");
   if (std::strcmp(isa, "avx512") == 0)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
@@ -39,6 +51,7 @@ bool cpu_has(const char* isa) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #elif defined(__aarch64__)
   if (std::strcmp(isa, "neon") == 0) return true;  // Advanced SIMD is mandatory on AArch64
+  if (std::strcmp(isa, "neon_dotprod") == 0) return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
 #elif defined(__s390x__)
   if (std::strcmp(isa, "vxe") == 0) return (getauxval(AT_HWCAP) & HWCAP_S390_VXRS_EXT) != 0;
 #endif
@@ -52,7 +65,9 @@ const KernelTable* table_by_name(const char* name) {
   if (std::strcmp(name, "scalar") == 0) t = table_scalar();
   else if (std::strcmp(name, "avx2") == 0) t = table_avx2();
   else if (std::strcmp(name, "avx512") == 0) t = table_avx512();
+  else if (std::strcmp(name, "avx512_vnni") == 0) t = table_avx512_vnni();
   else if (std::strcmp(name, "neon") == 0) t = table_neon();
+  else if (std::strcmp(name, "neon_dotprod") == 0) t = table_neon_dotprod();
   else if (std::strcmp(name, "vxe") == 0) t = table_vxe();
   return (t != nullptr && cpu_has(name)) ? t : nullptr;
 }
@@ -62,7 +77,7 @@ const KernelTable* best_table() {
   if (forced != nullptr && *forced != '\0') {
     if (const KernelTable* t = table_by_name(forced)) return t;
   }
-  for (const char* isa : {"avx512", "avx2", "neon", "vxe"})
+  for (const char* isa : kIsaNames)
     if (const KernelTable* t = table_by_name(isa)) return t;
   return table_scalar();
 }

@@ -6,6 +6,7 @@
 #include "kernels/attention.hpp"
 #include "kernels/cache.hpp"
 #include "kernels/gemm.hpp"
+#include "kernels/int8.hpp"
 #include "kernels/norm.hpp"
 #include "kernels/quant.hpp"
 #include "kernels/rotary.hpp"
@@ -33,6 +34,9 @@ const KernelTable* CPUSERVE_TABLE_FN() {
       &qpack_impl,
       &qgemm_impl,
       &qrows_impl,
+      &i8packed_bytes_impl,
+      &i8pack_impl,
+      &i8gemm_impl,
   };
   return &table;
 }

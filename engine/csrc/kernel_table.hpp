@@ -61,17 +61,30 @@ struct KernelTable {
                 int64_t n, int64_t k, int64_t lda, int64_t ldc);
   // out[i, :k] = row ids[i] of a qpacked weight, dequantized (embedding lookups).
   void (*qrows)(float* out, const uint8_t* w, int qtype, const int64_t* ids, int64_t count, int64_t k);
+  // W8A8 (kernels/int8.hpp): int8 weights with per-output-channel scales, activations
+  // quantized per token (symmetric, or with a zero point when act_asym). Exact integer sums,
+  // so every table gives the same bits.
+  int64_t (*i8packed_bytes)(int64_t n, int64_t k);
+  void (*i8pack)(uint8_t* dst, const int8_t* w, const float* scale, int64_t n, int64_t k);
+  void (*i8gemm)(float* c, const float* a, const uint8_t* w, const float* bias, int64_t m, int64_t n, int64_t k,
+                 int64_t lda, int64_t ldc, bool act_asym);
 };
+
+// Every ISA name, best first: a CPU with a variant (avx512_vnni, neon_dotprod) also runs the
+// plain table, which the tests compare against.
+constexpr const char* kIsaNames[] = {"avx512_vnni", "avx512", "avx2", "neon_dotprod", "neon", "vxe", "scalar"};
 
 // Tables compiled into this build (nullptr where the ISA is not built).
 const KernelTable* table_scalar();
 const KernelTable* table_avx2();
 const KernelTable* table_avx512();
+const KernelTable* table_avx512_vnni();
 const KernelTable* table_neon();
+const KernelTable* table_neon_dotprod();
 const KernelTable* table_vxe();
 
 // The best table the running CPU supports, or the one named by the
-// CPUSERVE_ISA environment variable (scalar, avx2, avx512, neon, vxe).
+// CPUSERVE_ISA environment variable (one of kIsaNames).
 const KernelTable* best_table();
 const KernelTable* table_by_name(const char* name);
 

@@ -67,11 +67,21 @@ def random_q4_1(n: int, k: int):
     return QuantTensor(torch.from_numpy(np.ascontiguousarray(raw).reshape(n, -1)), 3, k)
 
 
+def random_weight(dtype: torch.dtype | str, n: int, k: int):
+    from cpuserve.loading.quant_tensor import Int8Tensor
+
+    if dtype == "gguf":
+        return random_q4_1(n, k)
+    if dtype == "w8a8":
+        return Int8Tensor(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) * 0.01)
+    return torch.randn(n, k)
+
+
 def kernel_gflops(dtype: torch.dtype | str, m: int, k: int, n: int, repeats: int = 20) -> float:
-    """Our GEMM on the model's MLP shape: dense in `dtype`, or "gguf" (Q4_1 blocks)."""
+    """Our GEMM on the model's MLP shape: dense in `dtype`, "gguf" (Q4_1 blocks) or "w8a8"."""
     from cpuserve.model_executor import ops
 
-    w = ops.pack(random_q4_1(n, k) if dtype == "gguf" else torch.randn(n, k), dtype)
+    w = ops.pack(random_weight(dtype, n, k), dtype if isinstance(dtype, torch.dtype) else torch.float32)
     x = torch.randn(m, k)
     out = torch.empty(m, n)
     return 2 * m * n * k / _best(lambda: ops.linear(x, w, out=out), repeats) / GB
@@ -81,7 +91,7 @@ def measure_machine(hidden: int, ffn: int) -> Machine:
     kinds = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     return Machine(torch.get_num_threads(), read_bandwidth(),
                    {k: torch_gemm_gflops(d) for k, d in kinds.items()},
-                   {k: kernel_gflops(d, 64, hidden, ffn) for k, d in {**kinds, "gguf": "gguf"}.items()})
+                   {k: kernel_gflops(d, 64, hidden, ffn) for k, d in {**kinds, "gguf": "gguf", "w8a8": "w8a8"}.items()})
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -174,17 +184,24 @@ def model_size(llm) -> tuple[int, int]:
     return sum(tensor_bytes(w.data) for w in packed), sum(w.n * w.k for w in packed)
 
 
-ENGINES = ("gguf", "float32", "bfloat16")  # the default GGUF in its blocks (Q4_1), or widened to a dtype
+# the default GGUF in its blocks (Q4_1), its weights as a W8A8 checkpoint, or widened to a dtype
+ENGINES = ("gguf", "w8a8", "float32", "bfloat16")
+
+
+def engine_llm(engine: str, **kw):
+    from cpuserve import LLM
+    from cpuserve.entrypoints.quantize import default_w8a8
+
+    if engine == "w8a8":  # the LM head (not quantized, as compressed-tensors' "ignore" has it) in bfloat16
+        return LLM(str(default_w8a8()), dtype="bfloat16", **kw)
+    return LLM(dtype="float32" if engine == "gguf" else engine, quantization="gguf" if engine == "gguf" else "none", **kw)
 
 
 def run(dtypes=ENGINES, batch: int = 64, tokens: int = 32) -> dict:
-    from cpuserve import LLM
-
     out: dict = {"engines": {}}
     machine = None
     for dtype in dtypes:
-        llm = LLM(dtype="float32" if dtype == "gguf" else dtype, quantization="gguf" if dtype == "gguf" else "none",
-                  kv_cache_space=1.0)
+        llm = engine_llm(dtype, kv_cache_space=1.0)
         c = llm.engine.runner.hf_config
         if machine is None:
             machine = measure_machine(c.hidden_size, c.intermediate_size)

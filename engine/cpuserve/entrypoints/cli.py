@@ -25,9 +25,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16", "fp8_e5m2", "fp8_e4m3", "fp8"],
                    help="fp8_e5m2 / fp8_e4m3 (fp8): one byte a value, with chunked prefill and prefix caching")
-    p.add_argument("--quantization", "-q", default="auto", choices=["auto", "gguf", "awq", "gptq", "none"],
-                   help="auto: a GGUF keeps its quantized blocks (gguf), an AWQ / GPTQ checkpoint its 4-bit groups; "
-                        "none: widen every weight to --dtype")
+    p.add_argument("--quantization", "-q", default="auto",
+                   choices=["auto", "gguf", "awq", "gptq", "compressed-tensors", "none"],
+                   help="auto: a GGUF keeps its quantized blocks (gguf), an AWQ / GPTQ checkpoint its 4-bit groups, "
+                        "a compressed-tensors one its int8 W8A8 weights; none: widen every weight to --dtype")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--kv-cache-space", type=float, default=None,
                    help="GiB for the KV cache (default: VLLM_CPU_KVCACHE_SPACE, else 4)")
@@ -195,8 +196,10 @@ def cmd_quantize(a: argparse.Namespace) -> int:
     from cpuserve.entrypoints.quantize import quantize
     from cpuserve.loading.model_loader import resolve
 
-    quantize(resolve(a.model), Path(a.out), a.method, a.group_size, a.act_order)
-    print(f"wrote {a.method} (group {a.group_size}{', act-order' if a.act_order else ''}) to {a.out}")
+    quantize(resolve(a.model), Path(a.out), a.method, a.group_size, a.act_order, a.act_asym)
+    detail = ("asymmetric activations" if a.act_asym else "symmetric activations") if a.method == "w8a8" else \
+        f"group {a.group_size}{', act-order' if a.act_order else ''}"
+    print(f"wrote {a.method} ({detail}) to {a.out}")
     return 0
 
 
@@ -258,19 +261,21 @@ def main(argv: list[str] | None = None) -> int:
     t.set_defaults(func=cmd_topology)
     bn = sub.add_parser("bench", help="this machine's roofline (bandwidth, GEMM peaks) and where the default "
                                       "model's decode sits on it, with the profile of a decode step")
-    bn.add_argument("--dtype", action="append", choices=["gguf", "float32", "bfloat16"],
-                    help="repeatable (default: all): gguf = the default model's Q4_1 blocks, else widened")
+    bn.add_argument("--dtype", action="append", choices=["gguf", "w8a8", "float32", "bfloat16"],
+                    help="repeatable (default: all): gguf = the default model's Q4_1 blocks, w8a8 = its weights "
+                         "as an INT8 W8A8 checkpoint (made once into the cache), else widened")
     bn.add_argument("--batch", type=int, default=64, help="the large batch measured (default 64)")
     bn.add_argument("--tokens", type=int, default=32, help="decode steps measured per batch size")
     bn.add_argument("--json", action="store_true", help="machine-readable output")
     bn.set_defaults(func=cmd_bench)
-    qz = sub.add_parser("quantize", help="write an AWQ- or GPTQ-layout 4-bit checkpoint of a model (round to "
-                                         "nearest per group; see entrypoints/quantize.py)")
+    qz = sub.add_parser("quantize", help="write an AWQ- or GPTQ-layout 4-bit checkpoint, or a compressed-tensors "
+                                         "INT8 W8A8 one, of a model (round to nearest; see entrypoints/quantize.py)")
     qz.add_argument("out", help="output directory")
     qz.add_argument("--model", default=None, help="source model (default: the packaged SmolLM2)")
-    qz.add_argument("--method", choices=["awq", "gptq"], default="awq")
+    qz.add_argument("--method", choices=["awq", "gptq", "w8a8"], default="awq")
     qz.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64)
     qz.add_argument("--act-order", action="store_true", help="GPTQ desc_act: groups by decreasing column norm")
+    qz.add_argument("--act-asym", action="store_true", help="W8A8: activations with a zero point per token")
     qz.set_defaults(func=cmd_quantize)
     f = sub.add_parser("fetch", help="download a model file (http(s):// or s3://) and verify its SHA-256")
     f.add_argument("source")

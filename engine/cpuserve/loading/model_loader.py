@@ -134,12 +134,13 @@ def from_le_bytes(buf: bytearray, dtype: torch.dtype, shape, big_endian_host: bo
     return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
-QUANTIZATIONS = ("auto", "gguf", "awq", "gptq", "none")
+QUANTIZATIONS = ("auto", "gguf", "awq", "gptq", "compressed-tensors", "none")
 
 
 def checkpoint_quantization(model_dir: Path, requested: str | None) -> str:
     """How the weights are kept: "gguf" (a GGUF's quantized tensors in their blocks), "awq" or
-    "gptq" (a checkpoint's 4-bit groups, as Q4_ZP blocks), each the default for its checkpoint,
+    "gptq" (a checkpoint's 4-bit groups, as Q4_ZP blocks), "compressed-tensors" (INT8 W8A8),
+    each the default for its checkpoint,
     or "none" (every weight widened to the model dtype)."""
     from cpuserve.loading.gguf_loader import gguf_source
     from cpuserve.loading.hf_quant import quant_config

@@ -89,7 +89,49 @@ def cat_rows(parts: list):
     perms = [getattr(p, "input_perm", None) for p in parts]
     if any(q is not None for q in perms) and not all(q is not None and torch.equal(q, perms[0]) for q in perms):
         raise ValueError("fused projections whose GPTQ act-order permutations differ are not supported")
+    if all(isinstance(p, Int8Tensor) for p in parts) and len({p.act_asym for p in parts}) == 1:
+        return Int8Tensor(torch.cat([p.data for p in parts]), torch.cat([p.scale for p in parts]), parts[0].act_asym)
     if all(isinstance(p, QuantTensor) for p in parts) and len({p.qtype for p in parts}) == 1 \
             and len({p.shape[1] for p in parts}) == 1:
         return QuantTensor(torch.cat([p.data for p in parts]), parts[0].qtype, parts[0].shape[1], perms[0])
     return list(parts)
+
+
+class Int8Tensor:
+    """A [rows, k] W8A8 weight (compressed-tensors int8, "channel" strategy): `data` int8,
+    `scale` float32 [rows], w = scale[row] * data; `act_asym`: the layer quantizes its input per
+    token with a zero point (else symmetric). Rows carry their scales, so row shards, row
+    permutations and fused projections keep every value; column shards keep every scale."""
+
+    __slots__ = ("data", "scale", "act_asym", "shape")
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, act_asym: bool = False):
+        scale = scale.reshape(-1).float().contiguous()
+        if data.dtype != torch.int8 or data.dim() != 2 or scale.numel() != data.shape[0]:
+            raise ValueError(f"int8 weight of shape {tuple(data.shape)} {data.dtype} with {scale.numel()} channel "
+                             "scales: expected int8 [rows, k] and one scale per row")
+        self.data, self.scale, self.act_asym, self.shape = data, scale, bool(act_asym), tuple(data.shape)
+
+    type_name = "int8"
+    input_perm = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + 4 * self.scale.numel()
+
+    def to(self, dtype: torch.dtype) -> "Int8Tensor":
+        return self
+
+    def __getitem__(self, index):
+        if not isinstance(index, tuple):
+            return Int8Tensor(self.data[index].contiguous(), self.scale[index], self.act_asym)
+        rows, cols = index
+        if rows != slice(None):
+            raise IndexError("an int8 weight is sliced by rows, or by columns")
+        return Int8Tensor(self.data[:, cols].contiguous(), self.scale, self.act_asym)
+
+    def permute_rows(self, index: torch.Tensor) -> "Int8Tensor":
+        return Int8Tensor(self.data[index].contiguous(), self.scale[index], self.act_asym)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.data.float() * self.scale.unsqueeze(1)

@@ -18,10 +18,18 @@ from cpuserve.model_executor import ops
 ENABLED = os.environ.get("CPUSERVE_NATIVE_STEP", "1") != "0"
 
 
+INT8_KIND = 256  # runner/decoder_step.hpp's kInt8Kind
+
+
+def _kind(p) -> int:
+    if ops.is_int8(p):
+        return INT8_KIND + int(p.act_asym)
+    return 16 + p.qtype if ops.is_quantized(p) else ops.DTYPE_CODES[p.dtype]
+
+
 def _linear_spec(weight, bias) -> tuple:
     parts = weight.parts if ops.is_stacked(weight) else [weight]
-    spec = [(p.data.data_ptr(), 16 + p.qtype if ops.is_quantized(p) else ops.DTYPE_CODES[p.dtype], p.n)
-            for p in parts]
+    spec = [(p.data.data_ptr(), _kind(p), p.n) for p in parts]
     return weight.k, bias.data_ptr() if bias is not None else 0, spec
 
 

@@ -170,6 +170,24 @@ class QuantWeight:
         return self.data.numel()
 
 
+class Int8Weight:
+    """A [N, K] W8A8 weight (loading.quant_tensor.Int8Tensor) in the int8 GEMM's panels, with
+    its per-channel scales and column sums; the layer's input is quantized per token on the fly."""
+
+    __slots__ = ("data", "n", "k", "act_asym")
+
+    def __init__(self, weight, k=KERNELS):
+        self.n, self.k = weight.shape
+        self.act_asym = weight.act_asym
+        data = weight.data.contiguous()
+        self.data = torch.empty(k.i8packed_bytes(self.n, self.k), dtype=torch.uint8)
+        k.i8pack(self.data.data_ptr(), data.data_ptr(), weight.scale.data_ptr(), self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
 class StackedWeight:
     """Row blocks of different storage (a fused projection whose parts were quantized to
     different types, as in Q4_K_M files): each part fills its own output columns."""
@@ -195,10 +213,14 @@ def is_quantized(w) -> bool:
     return hasattr(w, "qtype")
 
 
+def is_int8(w) -> bool:
+    return hasattr(w, "act_asym")
+
+
 def is_packed(w) -> bool:
     """A GEMM weight of any kind (ops.pack's result, stacked ones excepted)."""
     return not isinstance(w, torch.Tensor) and hasattr(w, "data") and hasattr(w, "n") and hasattr(w, "k") \
-        and (hasattr(w, "qtype") or hasattr(w, "dtype"))
+        and (hasattr(w, "qtype") or hasattr(w, "dtype") or hasattr(w, "act_asym"))
 
 
 def pack(weight, dtype: torch.dtype):
@@ -208,13 +230,15 @@ def pack(weight, dtype: torch.dtype):
         return StackedWeight([pack(p, dtype) for p in weight])
     if isinstance(weight, torch.Tensor):
         return PackedWeight(weight.to(dtype))
-    return QuantWeight(weight)
+    return Int8Weight(weight) if is_int8(weight) else QuantWeight(weight)
 
 
 def storage_name(w) -> str:
     """How a packed weight is stored: 'float32', 'Q4_1', 'Q5_0+Q8_0', ..."""
     if is_stacked(w):
         return "+".join(dict.fromkeys(storage_name(p) for p in w.parts))
+    if is_int8(w):
+        return "int8 (W8A8, asymmetric activations)" if w.act_asym else "int8 (W8A8)"
     return w.type_name if is_quantized(w) else str(w.dtype).removeprefix("torch.")
 
 
@@ -230,7 +254,10 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, out: torch.Tens
     for p in parts:
         o = out[:, col:col + p.n] if len(parts) > 1 else out
         b = 0 if bias is None else bias[col:col + p.n].data_ptr()
-        if is_quantized(p):
+        if is_int8(p):
+            k.i8gemm(o.data_ptr(), x.data_ptr(), p.data.data_ptr(), b, x.shape[0], p.n, p.k, x.stride(0), o.stride(0),
+                     p.act_asym)
+        elif is_quantized(p):
             k.qgemm(o.data_ptr(), x.data_ptr(), p.data.data_ptr(), p.qtype, b, x.shape[0], p.n, p.k, x.stride(0),
                     o.stride(0))
         else:

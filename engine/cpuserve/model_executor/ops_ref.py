@@ -101,3 +101,27 @@ def linear(x, weight, bias=None):
     if bias is not None:
         y = y + bias.double()
     return y.float()
+
+
+def quantize_tokens(x: torch.Tensor, asym: bool = False) -> tuple:
+    """Dynamic per-token int8 quantization of x [M, K] float32 -> (codes int32 in [-127, 127],
+    scales [M], zero points [M] int32): symmetric s = max|x| / 127, or asymmetric
+    s = (max - min) / 254 with z = round(-127 - min / s); a constant row gets s = 1."""
+    if asym:
+        lo, hi = x.amin(1), x.amax(1)
+        s = (hi - lo) / 254
+    else:
+        lo, s = x.new_zeros(x.shape[0]), x.abs().amax(1) / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    z = torch.round(-127 - lo / s).to(torch.int32) if asym else torch.zeros_like(s, dtype=torch.int32)
+    q = (torch.round(x / s.unsqueeze(1)) + z.unsqueeze(1).float()).clamp(-127, 127).to(torch.int32)
+    return q, s, z
+
+
+def w8a8_linear(x, w_int8, w_scale, bias=None, asym: bool = False):
+    """x [M, K] float32 @ (w_scale * w_int8)^T with x quantized per token: the integer sums
+    exact (int64), then float(sum) * (s_x * s_w) (+ bias), as the int8 GEMM computes it."""
+    q, s, z = quantize_tokens(x.float(), asym)
+    acc = (q.long() - z.long().unsqueeze(1)) @ w_int8.long().T
+    out = acc.to(torch.int32).float() * (s.unsqueeze(1) * w_scale.reshape(1, -1).float())
+    return out + bias if bias is not None else out

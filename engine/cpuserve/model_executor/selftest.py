@@ -78,6 +78,19 @@ def _linear(k, dtype: torch.dtype) -> tuple[str, str, float, float]:
     return "linear", str(dtype).replace("torch.", ""), _rel_err(got, ref.linear(x, w.float(), b)), 1e-5
 
 
+def _w8a8(k) -> list[tuple[str, str, float, float]]:
+    """The int8 GEMM, exact integer sums: the reference's bits, for both activation modes."""
+    from cpuserve.loading.quant_tensor import Int8Tensor
+
+    w = torch.randint(-128, 128, (131, 301), dtype=torch.int8)
+    s, x, b = torch.rand(131) * 0.01, torch.randn(9, 301), torch.randn(131)
+    rows = []
+    for asym in (False, True):
+        got = ops.linear(x, ops.Int8Weight(Int8Tensor(w, s, asym), k=k), b, k=k)
+        rows.append(("w8a8_linear", "int8+zp" if asym else "int8", _err(got, ref.w8a8_linear(x, w, s, b, asym)), 0.0))
+    return rows
+
+
 def run(isas: list[str] | None = None, seed: int = 0) -> list[Check]:
     from cpuserve.platform.isa import supported_dtypes
 
@@ -85,7 +98,7 @@ def run(isas: list[str] | None = None, seed: int = 0) -> list[Check]:
     for isa in isas or _C.available_isas():
         torch.manual_seed(seed)
         k = _C.Kernels(isa)
-        rows = _elementwise(k)
+        rows = _elementwise(k) + _w8a8(k)
         for dtype in supported_dtypes():
             rows += _attention(k, dtype)
             rows.append(_linear(k, dtype))
@@ -94,7 +107,7 @@ def run(isas: list[str] | None = None, seed: int = 0) -> list[Check]:
 
 
 def format_checks(checks: list[Check]) -> str:
-    lines = [f"{'isa':<8} {'kernel':<18} {'dtype':<9} {'max error':>10} {'tolerance':>10}  result"]
-    lines += [f"{c.isa:<8} {c.kernel:<18} {c.dtype:<9} {c.max_err:>10.2e} {c.tol:>10.0e}  {'ok' if c.ok else 'FAIL'}"
+    lines = [f"{'isa':<12} {'kernel':<18} {'dtype':<9} {'max error':>10} {'tolerance':>10}  result"]
+    lines += [f"{c.isa:<12} {c.kernel:<18} {c.dtype:<9} {c.max_err:>10.2e} {c.tol:>10.0e}  {'ok' if c.ok else 'FAIL'}"
               for c in checks]
     return "\n".join(lines)

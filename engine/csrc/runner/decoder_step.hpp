@@ -9,9 +9,12 @@
 
 namespace cpuserve {
 
+constexpr int kInt8Kind = 256;
+
 struct LinearPart {
   const void* w;  // packed weight
-  int kind;       // DType code for dense weights, 16 + ggml type id for quantized ones
+  int kind;       // DType code for dense weights, 16 + ggml type id for quantized ones,
+                  // kInt8Kind (+ 1 with asymmetric activations) for W8A8 ones
   int64_t n;      // output columns of this part
 };
 

@@ -97,5 +97,25 @@ struct VecF {
   VecF exp() const { return {avx2_detail::exp_ps(v)}; }
 };
 
+// int8 dot products for the W8A8 GEMM (kernels/int8.hpp). A weight vector holds L columns x 4
+// consecutive k as int8 ([-128, 127]); an activation broadcast holds 4 int8 in [-127, 127].
+// dot(): lane l += sum_j a[j] * w[4l + j], exact in int32. kOffset: the activation bytes are
+// fed as unsigned a + kOffset, so the caller subtracts kOffset * (the column's weight sum).
+struct VecI8 {
+  static constexpr int L = 8;
+  static constexpr int kOffset = 0;
+  __m256i v;
+  using A = __m256i;
+  static A bcast(int32_t a4) { return _mm256_set1_epi32(a4); }
+  // maddubs on |w| and a with w's sign: |products| <= 128 * 127, pairs fit int16.
+  static VecI8 dot(VecI8 acc, A a, const int8_t* w) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    const __m256i p16 = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(a, wv));
+    return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)))};
+  }
+  static VecI8 zero() { return {_mm256_setzero_si256()}; }
+  void store(int32_t* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+};
+
 }  // namespace
 }  // namespace cpuserve

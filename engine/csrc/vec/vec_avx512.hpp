@@ -27,7 +27,11 @@ inline __m512 exp_ps(__m512 x) {
 
 struct VecF {
   static constexpr int N = 16;
+#ifdef __AVX512VNNI__
+  static constexpr const char* kIsa = "avx512_vnni";
+#else
   static constexpr const char* kIsa = "avx512";
+#endif
   __m512 v;
 
   static VecF zero() { return {_mm512_setzero_ps()}; }
@@ -84,6 +88,36 @@ struct VecF {
   float reduce_sum() const { return _mm512_reduce_add_ps(v); }
   float reduce_max() const { return _mm512_reduce_max_ps(v); }
   VecF exp() const { return {avx512_detail::exp_ps(v)}; }
+};
+
+// int8 dot products for the W8A8 GEMM (kernels/int8.hpp). A weight vector holds L columns x 4
+// consecutive k as int8 ([-128, 127]); an activation broadcast holds 4 int8 in [-127, 127].
+// dot(): lane l += sum_j a[j] * w[4l + j], exact in int32. kOffset: the activation bytes are
+// fed as unsigned a + kOffset, so the caller subtracts kOffset * (the column's weight sum).
+struct VecI8 {
+  static constexpr int L = 16;
+  __m512i v;
+#ifdef __AVX512VNNI__
+  static constexpr int kOffset = 128;
+  using A = __m512i;
+  static A bcast(int32_t a4) { return _mm512_set1_epi32(a4 ^ int32_t(0x80808080u)); }
+  static VecI8 dot(VecI8 acc, A a, const int8_t* w) {
+    return {_mm512_dpbusd_epi32(acc.v, a, _mm512_loadu_si512(w))};
+  }
+#else
+  // maddubs on |w| and a with w's sign: |products| <= 128 * 127, pairs fit int16.
+  static constexpr int kOffset = 0;
+  using A = __m512i;
+  static A bcast(int32_t a4) { return _mm512_set1_epi32(a4); }
+  static VecI8 dot(VecI8 acc, A a, const int8_t* w) {
+    const __m512i wv = _mm512_loadu_si512(w);
+    const __m512i sa = _mm512_mask_sub_epi8(a, _mm512_movepi8_mask(wv), _mm512_setzero_si512(), a);
+    const __m512i p16 = _mm512_maddubs_epi16(_mm512_abs_epi8(wv), sa);
+    return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(p16, _mm512_set1_epi16(1)))};
+  }
+#endif
+  static VecI8 zero() { return {_mm512_setzero_si512()}; }
+  void store(int32_t* p) const { _mm512_storeu_si512(p, v); }
 };
 
 }  // namespace

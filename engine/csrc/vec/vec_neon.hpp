@@ -26,7 +26,11 @@ inline float32x4_t exp_ps(float32x4_t x) {
 
 struct VecF {
   static constexpr int N = 4;
+#ifdef __ARM_FEATURE_DOTPROD
+  static constexpr const char* kIsa = "neon_dotprod";
+#else
   static constexpr const char* kIsa = "neon";
+#endif
   float32x4_t v;
 
   static VecF zero() { return {vdupq_n_f32(0.f)}; }
@@ -87,6 +91,31 @@ struct VecF {
   float reduce_sum() const { return vaddvq_f32(v); }
   float reduce_max() const { return vmaxvq_f32(v); }
   VecF exp() const { return {neon_detail::exp_ps(v)}; }
+};
+
+// int8 dot products for the W8A8 GEMM (kernels/int8.hpp). A weight vector holds L columns x 4
+// consecutive k as int8 ([-128, 127]); an activation broadcast holds 4 int8 in [-127, 127].
+// dot(): lane l += sum_j a[j] * w[4l + j], exact in int32. kOffset: the activation bytes are
+// fed as unsigned a + kOffset, so the caller subtracts kOffset * (the column's weight sum).
+struct VecI8 {
+  static constexpr int L = 4;
+  static constexpr int kOffset = 0;
+  int32x4_t v;
+  using A = int8x16_t;
+  static A bcast(int32_t a4) { return vreinterpretq_s8_s32(vdupq_n_s32(a4)); }
+  static VecI8 dot(VecI8 acc, A a, const int8_t* w) {
+    const int8x16_t wv = vld1q_s8(w);
+#ifdef __ARM_FEATURE_DOTPROD
+    return {vdotq_s32(acc.v, wv, a)};
+#else
+    // int16 products, adjacent pairs summed (<= 2 * 128 * 127), then pairs of pairs into int32
+    const int16x8_t lo = vmull_s8(vget_low_s8(wv), vget_low_s8(a));
+    const int16x8_t hi = vmull_s8(vget_high_s8(wv), vget_high_s8(a));
+    return {vpadalq_s16(acc.v, vpaddq_s16(lo, hi))};
+#endif
+  }
+  static VecI8 zero() { return {vdupq_n_s32(0)}; }
+  void store(int32_t* p) const { vst1q_s32(p, v); }
 };
 
 }  // namespace

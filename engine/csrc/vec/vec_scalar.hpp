@@ -4,6 +4,7 @@
 #pragma once
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include "../dtype.hpp"
 
 namespace cpuserve {
@@ -47,6 +48,25 @@ struct VecF {
   float reduce_sum() const { float s = 0.f; for (int i = 0; i < N; ++i) s += v[i]; return s; }
   float reduce_max() const { float m = v[0]; for (int i = 1; i < N; ++i) m = std::max(m, v[i]); return m; }
   VecF exp() const { VecF r; for (int i = 0; i < N; ++i) r.v[i] = std::exp(v[i]); return r; }
+};
+
+// int8 dot products for the W8A8 GEMM (kernels/int8.hpp). A weight vector holds L columns x 4
+// consecutive k as int8 ([-128, 127]); an activation broadcast holds 4 int8 in [-127, 127].
+// dot(): lane l += sum_j a[j] * w[4l + j], exact in int32. kOffset: the activation bytes are
+// fed as unsigned a + kOffset, so the caller subtracts kOffset * (the column's weight sum).
+struct VecI8 {
+  static constexpr int L = 4;
+  static constexpr int kOffset = 0;
+  int32_t v[L];
+  struct A { int8_t b[4]; };
+  static A bcast(int32_t a4) { A a; std::memcpy(a.b, &a4, 4); return a; }
+  static VecI8 dot(VecI8 acc, A a, const int8_t* w) {
+    for (int l = 0; l < L; ++l)
+      for (int j = 0; j < 4; ++j) acc.v[l] += int32_t(a.b[j]) * int32_t(w[4 * l + j]);
+    return acc;
+  }
+  static VecI8 zero() { VecI8 r; for (int l = 0; l < L; ++l) r.v[l] = 0; return r; }
+  void store(int32_t* p) const { std::memcpy(p, v, sizeof(v)); }
 };
 
 }  // namespace

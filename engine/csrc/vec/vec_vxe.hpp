@@ -67,5 +67,26 @@ struct VecF {
   }
 };
 
+// int8 dot products for the W8A8 GEMM (kernels/int8.hpp). A weight vector holds L columns x 4
+// consecutive k as int8 ([-128, 127]); an activation broadcast holds 4 int8 in [-127, 127].
+// dot(): lane l += sum_j a[j] * w[4l + j], exact in int32. kOffset: the activation bytes are
+// fed as unsigned a + kOffset, so the caller subtracts kOffset * (the column's weight sum).
+struct VecI8 {
+  static constexpr int L = 4;
+  static constexpr int kOffset = 0;
+  __vector signed int v;
+  using A = __vector signed char;
+  static A bcast(int32_t a4) { return reinterpret_cast<__vector signed char>(vec_splats(a4)); }
+  // even and odd byte products (int16, k0+k1 and k2+k3 per column fit), then their halves.
+  static VecI8 dot(VecI8 acc, A a, const int8_t* w) {
+    const __vector signed char wv = vec_xl(0, reinterpret_cast<const signed char*>(w));
+    const __vector signed short s = vec_mule(wv, a) + vec_mulo(wv, a);
+    const __vector signed short one = vec_splats(static_cast<short>(1));
+    return {acc.v + vec_mule(s, one) + vec_mulo(s, one)};
+  }
+  static VecI8 zero() { return {vec_splats(0)}; }
+  void store(int32_t* p) const { vec_xst(v, 0, p); }
+};
+
 }  // namespace
 }  // namespace cpuserve

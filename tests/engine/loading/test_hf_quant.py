@@ -76,5 +76,5 @@ def test_unsupported_variants_are_refused(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc}))
         with pytest.raises(ValueError, match=msg):
             quant_config(tmp_path)
-    with pytest.raises(ValueError, match="awq or gptq, group size"):
+    with pytest.raises(ValueError, match="method awq, gptq or w8a8; group size"):
         quantize(resolve(None), tmp_path / "x", "awq", 48)

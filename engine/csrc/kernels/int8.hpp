@@ -1,0 +1,188 @@
+// W8A8 GEMM: int8 weights with a float scale per output channel (compressed-tensors'
+// "channel" strategy), activations quantized to int8 per token on the fly (dynamic,
+// symmetric or with a zero point), int32 dot products, float32 out:
+//
+//   C[m, n] = float(sum_k qa[m, k] * qw[n, k] - za[m] * sum_k qw[n, k]) * (sa[m] * sw[n]) (+ bias[n])
+//
+// The integer sums are exact, so every ISA (VNNI's vpdpbusd, AVX2/AVX-512 maddubs, NEON
+// sdot or widening multiplies, z14 even/odd multiplies, scalar) gives the same bits; the
+// torch reference in model_executor/ops_ref.py computes the same expression.
+//
+// Packed weight: panels of kI8NR columns [kpad / 4][kI8NR][4] int8 (a column's 4 consecutive
+// k together, the operand shape of a 4-way int8 dot), then the columns' int32 weight sums
+// and float scales, each padded to whole panels.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+#include "../vec/vec.hpp"
+
+namespace cpuserve {
+namespace {
+
+constexpr int kI8NR = 2 * VecI8::L;
+constexpr int kI8MR = 4;
+
+inline int64_t i8_kpad(int64_t k) { return (k + 3) / 4 * 4; }
+inline int64_t i8_panels(int64_t n) { return (n + kI8NR - 1) / kI8NR; }
+
+int64_t i8packed_bytes_impl(int64_t n, int64_t k) {
+  return i8_panels(n) * kI8NR * (i8_kpad(k) + sizeof(int32_t) + sizeof(float));
+}
+
+void i8pack_impl(uint8_t* dst, const int8_t* w, const float* scale, int64_t n, int64_t k) {
+  const int64_t kp = i8_kpad(k), panels = i8_panels(n), q4 = kp / 4;
+  int8_t* out = reinterpret_cast<int8_t*>(dst);
+  uint8_t* sums = dst + panels * kI8NR * kp;
+  uint8_t* scales = sums + panels * kI8NR * sizeof(int32_t);
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p)
+    for (int j = 0; j < kI8NR; ++j) {
+      const int64_t col = p * kI8NR + j;
+      int32_t sum = 0;
+      for (int64_t q = 0; q < q4; ++q)
+        for (int b = 0; b < 4; ++b) {
+          const int64_t kk = 4 * q + b;
+          const int8_t v = (col < n && kk < k) ? w[col * k + kk] : int8_t(0);
+          out[((p * q4 + q) * kI8NR + j) * 4 + b] = v;
+          sum += v;
+        }
+      const float s = col < n ? scale[col] : 0.f;
+      std::memcpy(sums + col * sizeof(int32_t), &sum, sizeof(sum));
+      std::memcpy(scales + col * sizeof(float), &s, sizeof(s));
+    }
+}
+
+// One row of activations -> int8 codes in [-127, 127] (padded with zeros to kpad), scale, zero.
+//   symmetric:  s = max|x| / 127, q = rne(x / s), z = 0
+//   asymmetric: s = (max x - min x) / 254, z = rne(-127 - min x / s), q = clamp(rne(x / s) + z)
+// A constant row that would give s = 0 uses s = 1.
+inline void i8_quant_row(const float* x, int64_t k, int64_t kp, int8_t* q, float& s, int32_t& z, bool asym) {
+  float lo = 0.f, hi = 0.f, amax = 0.f;
+  if (asym) {
+    lo = hi = k > 0 ? x[0] : 0.f;
+    for (int64_t i = 0; i < k; ++i) { lo = std::min(lo, x[i]); hi = std::max(hi, x[i]); }
+    s = (hi - lo) / 254.f;
+  } else {
+    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
+    s = amax / 127.f;
+  }
+  if (!(s > 0.f)) s = 1.f;
+  z = asym ? static_cast<int32_t>(std::nearbyint(-127.f - lo / s)) : 0;
+  for (int64_t i = 0; i < k; ++i) {
+    const float v = std::nearbyint(x[i] / s) + static_cast<float>(z);
+    q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+  }
+  for (int64_t i = k; i < kp; ++i) q[i] = 0;
+}
+
+inline int32_t rd_i32(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return v; }
+
+// MR rows x NP panels: int32 sums over all of k into acc[r][p * kI8NR + j].
+template <int MR, int NP>
+inline void i8_micro(const int8_t* qa, int64_t kp, const int8_t* w, int64_t panel_stride, int32_t* acc_out) {
+  VecI8 acc[MR][NP][2];
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) acc[r][p][0] = acc[r][p][1] = VecI8::zero();
+  for (int64_t q = 0; q < kp / 4; ++q) {
+    const int8_t* b = w + q * kI8NR * 4;
+    for (int r = 0; r < MR; ++r) {
+      const typename VecI8::A a = VecI8::bcast(rd_i32(qa + r * kp + 4 * q));
+      for (int p = 0; p < NP; ++p) {
+        acc[r][p][0] = VecI8::dot(acc[r][p][0], a, b + p * panel_stride);
+        acc[r][p][1] = VecI8::dot(acc[r][p][1], a, b + p * panel_stride + 4 * VecI8::L);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) {
+      acc[r][p][0].store(acc_out + (r * NP + p) * kI8NR);
+      acc[r][p][1].store(acc_out + (r * NP + p) * kI8NR + VecI8::L);
+    }
+}
+
+struct I8Rows {  // quantized activations
+  const int8_t* q;
+  const float* s;
+  const int32_t* z;
+  int64_t kp;
+};
+
+// Rows [r, r + mr) x panels [p, p + np) of C, from the integer sums to float.
+inline void i8_tile(const I8Rows& A, int mr, int np, int64_t r, int64_t p, const int8_t* w, const int32_t* sums,
+                    const float* scales, const float* bias, float* c, int64_t n, int64_t ldc) {
+  alignas(64) int32_t acc[kI8MR * 4 * kI8NR];
+  const int64_t ps = A.kp * kI8NR;
+  const int8_t* qa = A.q + r * A.kp;
+  const int8_t* wp = w + p * ps;
+  if (np == 4) {
+    i8_micro<1, 4>(qa, A.kp, wp, ps, acc);
+  } else {
+    switch (mr) {
+      case 4: i8_micro<4, 1>(qa, A.kp, wp, ps, acc); break;
+      case 3: i8_micro<3, 1>(qa, A.kp, wp, ps, acc); break;
+      case 2: i8_micro<2, 1>(qa, A.kp, wp, ps, acc); break;
+      default: i8_micro<1, 1>(qa, A.kp, wp, ps, acc); break;
+    }
+  }
+  for (int i = 0; i < mr; ++i) {
+    const int32_t comp = VecI8::kOffset + A.z[r + i];
+    const float sa = A.s[r + i];
+    float* cr = c + (r + i) * ldc;
+    const int64_t c0 = p * kI8NR, c1 = std::min(n, (p + np) * kI8NR);
+    for (int64_t col = c0; col < c1; ++col) {
+      const int32_t v = acc[i * np * kI8NR + (col - c0)] - comp * sums[col];
+      float o = static_cast<float>(v) * (sa * scales[col]);
+      if (bias != nullptr) o += bias[col];
+      cr[col] = o;
+    }
+  }
+}
+
+void i8gemm_impl(float* c, const float* a, const uint8_t* w, const float* bias, int64_t m, int64_t n, int64_t k,
+                 int64_t lda, int64_t ldc, bool asym) {
+  const int64_t kp = i8_kpad(k), panels = i8_panels(n);
+  thread_local std::vector<int8_t> qbuf;
+  thread_local std::vector<float> sbuf;
+  thread_local std::vector<int32_t> zbuf;
+  qbuf.resize(static_cast<size_t>(m * kp));
+  sbuf.resize(static_cast<size_t>(m));
+  zbuf.resize(static_cast<size_t>(m));
+  int8_t* q = qbuf.data();
+  float* s = sbuf.data();
+  int32_t* z = zbuf.data();
+#pragma omp parallel for schedule(static) if (m > 8)
+  for (int64_t r = 0; r < m; ++r) i8_quant_row(a + r * lda, k, kp, q + r * kp, s[r], z[r], asym);
+  const I8Rows A{q, s, z, kp};
+  const int8_t* wq = reinterpret_cast<const int8_t*>(w);
+  const int32_t* sums = reinterpret_cast<const int32_t*>(w + panels * kI8NR * kp);
+  const float* scales = reinterpret_cast<const float*>(w + panels * kI8NR * (kp + sizeof(int32_t)));
+  if (m <= 2) {  // decode: 4 panels at once for enough independent loads in flight
+    const int64_t groups = (panels + 3) / 4;
+#pragma omp parallel for schedule(static) if (n * k > 32768)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t r = 0; r < m; ++r) {
+        const int64_t p = 4 * g;
+        if (p + 4 <= panels) i8_tile(A, 1, 4, r, p, wq, sums, scales, bias, c, n, ldc);
+        else
+          for (int64_t pp = p; pp < panels; ++pp) i8_tile(A, 1, 1, r, pp, wq, sums, scales, bias, c, n, ldc);
+      }
+    return;
+  }
+  // Work items: a block of up to kI8MC rows (its codes stay in L2) x a group of panels (each
+  // panel stays in L1/L2 while every row tile of the block runs over it).
+  constexpr int64_t kI8MC = 256;
+  const int64_t m_blocks = (m + kI8MC - 1) / kI8MC;
+  const int64_t per_group = std::max<int64_t>(1, std::min<int64_t>(4, panels * m_blocks / 16));
+  const int64_t groups = (panels + per_group - 1) / per_group;
+#pragma omp parallel for schedule(static) collapse(2)
+  for (int64_t mb = 0; mb < m_blocks; ++mb)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t p = g * per_group; p < std::min(panels, (g + 1) * per_group); ++p)
+        for (int64_t r = mb * kI8MC; r < std::min(m, (mb + 1) * kI8MC); r += kI8MR)
+          i8_tile(A, static_cast<int>(std::min<int64_t>(kI8MR, m - r)), 1, r, p, wq, sums, scales, bias, c, n, ldc);
+}
+
+}  // namespace
+}  // namespace cpuserve

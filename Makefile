@@ -26,7 +26,7 @@ KUBEBUILDER_ASSETS ?= $(HOME)/.cache/cpuserve-envtest/$(ENVTEST_K8S)/bin
 export KUBEBUILDER_ASSETS
 
 .PHONY: install install-operator host-deps docs soak fuzz bench-peers run test test-python test-operator envtest test-kernels-cpp e2e e2e-bin \
-        test-kernels-cross images test-images bench clean
+        test-kernels-cross images test-images bench clean gguf-converter
 
 install: $(STAMP)
 
@@ -54,8 +54,13 @@ host-deps:
 	hack/host-deps.sh
 
 # Everything that needs no control plane, the operator's pure tests included (-m "not cluster").
-test-python: install
-	$(PY) -m pytest tests -q -m "not cluster" --ignore=tests/images --ignore=tests/e2e
+test-python: install gguf-converter
+	CPUSERVE_PEERS_CACHE=$(PEERS_CACHE) $(PY) -m pytest tests -q -m "not cluster" --ignore=tests/images --ignore=tests/e2e
+
+# llama.cpp's own convert_hf_to_gguf.py (from the llama-cpp-python sdist, into the peers cache
+# outside the clone): the tests make GGUF files of every architecture the engine runs with it.
+gguf-converter: install
+	PYTHON=$(abspath $(PY)) hack/peers/install.sh $(PEERS_CACHE) convert
 
 # Built and installed as wheels (not editable): this proves they build on their own.
 install-operator: $(OSTAMP)

@@ -6,7 +6,10 @@
 #   llama         $1/llama.cpp-$LLAMA-<cpu>/bin: llama.cpp's own llama-server, llama-bench,
 #                 llama-batched-bench and llama-quantize, built from the llama.cpp tree that the
 #                 PyPI sdist of llama-cpp-python vendors (GGML_NATIVE: this CPU's ISA)
-# Usage: hack/peers/install.sh CACHE [vllm] [llama]   (both when none is named)
+#   convert       $1/llama.cpp-convert-$LLAMA: llama.cpp's convert_hf_to_gguf.py with its conversion
+#                 package and gguf-py, from the same sdist (the tests make GGUF files of every
+#                 architecture the engine runs with it)
+# Usage: hack/peers/install.sh CACHE [vllm] [llama] [convert]   (vllm and llama when none is named)
 set -euo pipefail
 CACHE=${1:?usage: install.sh CACHE [vllm] [llama]}
 shift
@@ -58,6 +61,18 @@ install_llama() {
   cmake --build "$d/build" --target llama-server llama-bench llama-batched-bench llama-quantize
   mkdir -p "$d/bin" && cp "$d"/build/bin/llama-* "$d/bin/"
   rm -rf "$d/src" "$d/build"
+}
+
+install_convert() {
+  local d="$CACHE/llama.cpp-convert-$LLAMA"
+  if [ -f "$d/convert_hf_to_gguf.py" ]; then return; fi
+  local tmp
+  tmp=$(mktemp -d "$CACHE/.convert-XXXXXX")
+  "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA" -d "$tmp"
+  local top="llama_cpp_python-$LLAMA/vendor/llama.cpp"
+  tar -xzf "$tmp/llama_cpp_python-$LLAMA.tar.gz" -C "$tmp" "$top/convert_hf_to_gguf.py" "$top/conversion" \
+    "$top/gguf-py"
+  rm -rf "$d" && mv "$tmp/$top" "$d" && rm -rf "$tmp"
 }
 
 for w in $WHAT; do "install_$w"; done

@@ -23,9 +23,7 @@ import torch
 from cpuserve.loading.lazy import LazyByName
 from cpuserve.loading.quant_tensor import QTYPES, QuantTensor
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
-
-_LAYER_MAP = {
+_LLAMA_LAYERS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -38,20 +36,48 @@ _LAYER_MAP = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_TOP_MAP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LLAMA_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GEMMA3_LAYERS = {**_LLAMA_LAYERS, "ffn_norm": "pre_feedforward_layernorm",
+                  "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_GPT2_LAYERS = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj", "ffn_norm": "ln_2",
+                "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
+_GPT2_TOP = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe", "output_norm": "transformer.ln_f",
+             "output": "lm_head"}
+
+_BERT_LAYERS = {"attn_q": "attention.self.query", "attn_k": "attention.self.key", "attn_v": "attention.self.value",
+                "attn_output": "attention.output.dense", "attn_output_norm": "attention.output.LayerNorm",
+                "ffn_up": "intermediate.dense", "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm"}
+_BERT_TOP = {"token_embd": "embeddings.word_embeddings", "position_embd": "embeddings.position_embeddings",
+             "token_types": "embeddings.token_type_embeddings", "token_embd_norm": "embeddings.LayerNorm"}
+
+# GGUF architecture -> (Hugging Face architecture, layer prefix, layer names, top-level names):
+# every architecture the engine runs that llama.cpp's converter writes (Mistral is "llama").
+ARCHS = {
+    "llama": ("LlamaForCausalLM", "model.layers", _LLAMA_LAYERS, _LLAMA_TOP),
+    "qwen2": ("Qwen2ForCausalLM", "model.layers", _LLAMA_LAYERS, _LLAMA_TOP),
+    "qwen3": ("Qwen3ForCausalLM", "model.layers", _LLAMA_LAYERS, _LLAMA_TOP),
+    "gemma3": ("Gemma3ForCausalLM", "model.layers", _GEMMA3_LAYERS, _LLAMA_TOP),
+    "gpt2": ("GPT2LMHeadModel", "transformer.h", _GPT2_LAYERS, _GPT2_TOP),
+    "bert": ("BertModel", "encoder.layer", _BERT_LAYERS, _BERT_TOP),
+}
+# llama.cpp's pooling_type -> sentence-transformers' pooling mode (1_Pooling/config.json)
+POOLING = {1: "pooling_mode_mean_tokens", 2: "pooling_mode_cls_token", 3: "pooling_mode_lasttoken"}
+SUPPORTED_ARCHS = tuple(ARCHS)
+GPT2_CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("CPUSERVE_CACHE", Path.home() / ".cache" / "cpuserve"))
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    _, prefix, layers, top = ARCHS[arch]
     base, _, kind = gguf_name.rpartition(".")  # kind: weight | bias
-    if base in _TOP_MAP:
-        return f"{_TOP_MAP[base]}.{kind}"
+    if base in top:
+        return f"{top[base]}.{kind}"
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_MAP:
-        return f"model.layers.{parts[1]}.{_LAYER_MAP[parts[2]]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layers:
+        return f"{prefix}.{parts[1]}.{layers[parts[2]]}.{kind}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no known Hugging Face name")
 
 
@@ -108,14 +134,28 @@ def _field(reader, key, default=None):
 
 def _config(reader, arch: str, tensor_names: set[str]) -> dict:
     g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    vocab = int(g("vocab_size", 0)) or len(reader.fields["tokenizer.ggml.tokens"].data)
+    common = {"architectures": [ARCHS[arch][0]], "vocab_size": vocab, "torch_dtype": "float32",
+              "tie_word_embeddings": "output.weight" not in tensor_names,
+              "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+              "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id")}
+    if arch == "bert":
+        types = next((int(t.shape[1]) for t in reader.tensors if t.name == "token_types.weight"), 2)
+        return {**common, "model_type": "bert", "hidden_size": int(g("embedding_length")),
+                "num_hidden_layers": int(g("block_count")), "num_attention_heads": int(g("attention.head_count")),
+                "intermediate_size": int(g("feed_forward_length")), "max_position_embeddings": int(g("context_length")),
+                "type_vocab_size": types, "layer_norm_eps": float(g("attention.layer_norm_epsilon")),
+                "hidden_act": "gelu", "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id", 0)}
+    if arch == "gpt2":
+        return {**common, "model_type": "gpt2", "n_embd": int(g("embedding_length")), "n_layer": int(g("block_count")),
+                "n_head": int(g("attention.head_count")), "n_positions": int(g("context_length")),
+                "n_ctx": int(g("context_length")), "n_inner": int(g("feed_forward_length")),
+                "layer_norm_epsilon": float(g("attention.layer_norm_epsilon")), "activation_function": "gelu_new"}
     n_head = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
-    vocab = int(g("vocab_size", 0)) or len(reader.fields["tokenizer.ggml.tokens"].data)
     cfg = {
-        "architectures": {"llama": ["LlamaForCausalLM"], "qwen2": ["Qwen2ForCausalLM"],
-                          "qwen3": ["Qwen3ForCausalLM"]}[arch],
+        **common,
         "model_type": arch,
-        "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": int(g("feed_forward_length")),
         "num_hidden_layers": int(g("block_count")),
@@ -125,15 +165,31 @@ def _config(reader, arch: str, tensor_names: set[str]) -> dict:
         "max_position_embeddings": int(g("context_length")),
         "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(g("rope.freq_base", 10000.0)),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-        "torch_dtype": "float32",
         "hidden_act": "silu",
     }
+    if arch == "gemma3":
+        return _gemma3_config(cfg, g)
     cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
     if arch == "qwen2":
         cfg["attention_bias"] = True
+    return cfg
+
+
+def _gemma3_config(cfg: dict, g) -> dict:
+    """Gemma 3 as llama.cpp runs its GGUF: every 6th layer global unless the file gives a pattern,
+    queries scaled by the head size, local layers' rotary base from rope.freq_base_swa."""
+    pattern = g("attention.sliding_window_pattern", 6)
+    n = cfg["num_hidden_layers"]
+    if isinstance(pattern, list):  # one flag a layer: true = sliding
+        types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        types = ["full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention" for i in range(n)]
+    cfg.update(model_type="gemma3_text", hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
+               query_pre_attn_scalar=cfg["head_dim"], sliding_window=int(g("attention.sliding_window", 4096)),
+               rope_local_base_freq=float(g("rope.freq_base_swa", 10000.0)), layer_types=types,
+               final_logit_softcapping=g("final_logit_softcapping"))
+    if g("rope.scaling.type") == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
     return cfg
 
 
@@ -156,12 +212,12 @@ def tensor_index(reader, arch: str, cfg: dict) -> dict:
     that a start does not parse the file's metadata again: the vocabulary alone takes seconds)."""
     tensors = {}
     for t in reader.tensors:
-        tensors[hf_name(t.name)] = {
+        tensors[hf_name(t.name, arch)] = {
             "gguf_name": t.name, "type": int(t.tensor_type), "type_name": t.tensor_type.name,
             "shape": [int(x) for x in reversed(t.shape.tolist())],  # GGUF lists ne0 (columns) first
             "offset": int(t.data_offset), "n_bytes": int(t.n_bytes), "n_elements": int(t.n_elements)}
     return {"arch": arch, "swapped": reader.byte_order == "S", "tensors": tensors,
-            "heads": {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}}
+            "heads": {"q_proj": cfg.get("num_attention_heads"), "k_proj": cfg.get("num_key_value_heads")}}
 
 
 def convert(path: Path, out: Path) -> None:
@@ -173,7 +229,22 @@ def convert(path: Path, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "gguf_tensors.json").write_text(json.dumps(tensor_index(reader, arch, cfg)))
     write_tokenizer(reader, path, out)
+    if arch == "bert":
+        write_pooling(_field(reader, "bert.pooling_type", 1), out)
     (out / "cpuserve_source.json").write_text(json.dumps({"gguf": str(path)}))
+
+
+def write_pooling(pooling_type: int, out: Path) -> None:
+    """An embedding GGUF's pooling as sentence-transformers files (model_executor/pooling.py
+    reads them), normalized as llama.cpp's embeddings are by default."""
+    if int(pooling_type) not in POOLING:
+        raise ValueError(f"GGUF pooling_type {pooling_type} is not supported (1 mean, 2 cls, 3 last token)")
+    (out / "1_Pooling").mkdir()
+    (out / "1_Pooling" / "config.json").write_text(json.dumps({POOLING[int(pooling_type)]: True}))
+    (out / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
 
 
 def gguf_source(model_dir: Path) -> Path | None:
@@ -196,11 +267,18 @@ class GGUFTensors(LazyByName):
         self._where = index["tensors"]
 
     def _load(self, name: str, t: dict):
+        """Undoes the converter: Llama's q/k row permutation, Gemma 3's norm weights stored
+        plus one, GPT-2's Conv1D weights stored transposed (float ones go back to [in, out];
+        quantized ones only exist as [out, in], which the GPT-2 model takes as they are)."""
         w = self._read(t)
         proj = name.rsplit(".", 2)[-2]
         if self.arch == "llama" and proj in self.heads:
             rows = unpermute_rotary(torch.arange(w.shape[0]).unsqueeze(1), self.heads[proj]).squeeze(1)
             w = w.permute_rows(rows) if isinstance(w, QuantTensor) else w[rows].contiguous()
+        elif self.arch == "gemma3" and name.endswith("norm.weight"):
+            w = w.float() - 1.0
+        elif self.arch == "gpt2" and name.endswith(GPT2_CONV1D) and isinstance(w, torch.Tensor):
+            w = w.t().contiguous()
         return w
 
     def _read(self, t: dict):

@@ -5,9 +5,12 @@ images carry neither transformers nor a torch new enough for it.
 The result is what transformers' GGUF conversion gives for byte-level BPE
 vocabularies (`tokenizer.ggml.model == "gpt2"`: SmolLM, Qwen, Llama 3, ...):
 the same vocabulary, merges, split regex, added tokens and special tokens
-(tests compare the two on the real model). Sentencepiece vocabularies
-(`"llama"`) are handed to transformers when it is installed, and refused with
-a clear message when it is not.
+(tests compare the two on the real model). WordPiece vocabularies (`"bert"`)
+are rebuilt as BERT's own tokenizer (llama.cpp's converter marks word starts
+with "▁" where BERT marks continuations with "##"; tests compare the token ids
+with the original model's tokenizer). Sentencepiece vocabularies (`"llama"`)
+are handed to transformers when it is installed, and refused with a clear
+message when it is not.
 """
 from __future__ import annotations
 
@@ -90,6 +93,29 @@ def byte_level_tokenizer(meta: dict):
     return tok
 
 
+def wordpiece_tokenizer(meta: dict):
+    """BERT's WordPiece tokenizer from a GGUF vocabulary: "▁word" -> "word", "piece" ->
+    "##piece", control tokens ([CLS], [SEP], ...) as they are; [CLS] $A [SEP] around a text."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    tokens, types = meta["tokens"], meta.get("token_type") or [1] * len(meta["tokens"])
+    words = [t if ty == _CONTROL else t[1:] if t.startswith("\u2581") else "##" + t for t, ty in zip(tokens, types)]
+    vocab = {w: i for i, w in reversed(list(enumerate(words)))}  # a duplicate spelling keeps its first id
+    sp = meta["special"]
+    tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token=sp.get("unk_token", "[UNK]"),
+                                     continuing_subword_prefix="##", max_input_chars_per_word=100))
+    tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None,
+                                                lowercase=bool(meta.get("lowercase", True)))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.add_special_tokens([AddedToken(w, special=True) for w, ty in zip(words, types) if ty == _CONTROL])
+    cls, sep = sp.get("bos_token", "[CLS]"), sp.get("sep_token", sp.get("eos_token", "[SEP]"))
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
+        special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])])
+    return tok
+
+
 def read_metadata(reader) -> dict:
     """The tokenizer fields of an open gguf.GGUFReader, under short names."""
     def get(key, default=None):
@@ -102,12 +128,15 @@ def read_metadata(reader) -> dict:
     meta = {"model": get("tokenizer.ggml.model"), "pre": get("tokenizer.ggml.pre"), "tokens": tokens,
             "token_type": get("tokenizer.ggml.token_type"), "chat_template": get("tokenizer.chat_template"),
             "add_bos_token": get("tokenizer.ggml.add_bos_token", _default_add_bos(get("tokenizer.ggml.model"))),
-            "add_eos_token": get("tokenizer.ggml.add_eos_token", False)}
+            "add_eos_token": get("tokenizer.ggml.add_eos_token", False),
+            "lowercase": get("tokenizer.ggml.normalizer.lowercase", True)}
     if get("tokenizer.ggml.merges") is not None:
         meta["merges"] = get("tokenizer.ggml.merges")
     meta["special"] = {name: tokens[i] for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
                                                           ("unk_token", "unknown_token_id"),
-                                                          ("pad_token", "padding_token_id"))
+                                                          ("pad_token", "padding_token_id"),
+                                                          ("sep_token", "seperator_token_id"),  # llama.cpp's spelling
+                                                          ("mask_token", "mask_token_id"))
                        if (i := get(f"tokenizer.ggml.{key}")) is not None}
     return meta
 
@@ -120,9 +149,9 @@ def _default_add_bos(model: str | None) -> bool:
 def write_tokenizer(reader, gguf_path: Path, out: Path) -> None:
     """tokenizer.json and tokenizer_config.json for the GGUF file into `out`."""
     meta = read_metadata(reader)
-    if meta["model"] != "gpt2":
+    if meta["model"] not in ("gpt2", "bert"):
         return _write_with_transformers(meta["model"], gguf_path, out)
-    byte_level_tokenizer(meta).save(str(out / "tokenizer.json"))
+    (wordpiece_tokenizer if meta["model"] == "bert" else byte_level_tokenizer)(meta).save(str(out / "tokenizer.json"))
     cfg = {**meta["special"], "add_bos_token": bool(meta["add_bos_token"]),
            "add_eos_token": bool(meta["add_eos_token"]), "clean_up_tokenization_spaces": False}
     if meta["chat_template"]:

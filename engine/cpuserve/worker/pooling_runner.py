@@ -12,7 +12,7 @@ import time
 import torch
 
 from cpuserve.config import EngineConfig
-from cpuserve.loading.model_loader import load_config, load_state_dict, resolve
+from cpuserve.loading.model_loader import checkpoint_quantization, load_config, load_state_dict, resolve
 from cpuserve.model_executor.models import model_class
 from cpuserve.model_executor.models.common import Weights
 from cpuserve.model_executor.pooling import Pooling
@@ -52,8 +52,9 @@ class EncoderRunner:
             raise ValueError(f"embedding models run in float32; dtype {config.dtype!r} is not supported for them")
         self.dtype = torch.float32
         self.tp, self.binding, self.ranks = start_rank0(config, str(self.model_dir))
-        self.model = model_class(self.hf_config)(self.hf_config, Weights(load_state_dict(self.model_dir)),
-                                                 self.dtype)
+        self.quantization = checkpoint_quantization(self.model_dir, config.quantization)
+        self.model = model_class(self.hf_config)(
+            self.hf_config, Weights(load_state_dict(self.model_dir, self.quantization)), self.dtype)
         self.pooling = Pooling.from_dir(self.model_dir, decoder=False)
         limits = [self.model.max_positions, self.pooling.max_len, config.max_model_len]
         self.max_model_len = min(n for n in limits if n)

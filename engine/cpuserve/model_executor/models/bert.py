@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import torch
 
+from cpuserve.loading.quant_tensor import cat_rows
 from cpuserve.model_executor.layers.linear import Linear
 from cpuserve.model_executor.layers.norm import LayerNorm
 from cpuserve.model_executor.models.common import Weights
+
+
+def _dense(w) -> torch.Tensor:
+    """A lookup table as float32 (a GGUF's quantized word embeddings widened: 47 MB for MiniLM)."""
+    return w.dequantize() if hasattr(w, "dequantize") else w.float()
 
 
 class BertLayer:
     def __init__(self, c, i: int, w: Weights, dtype: torch.dtype):
         p = f"encoder.layer.{i}."
         t = lambda n: w.take(p + n)  # noqa: E731
-        qkv_w = torch.cat([t(f"attention.self.{n}.weight") for n in ("query", "key", "value")])
+        qkv_w = cat_rows([t(f"attention.self.{n}.weight") for n in ("query", "key", "value")])
         qkv_b = torch.cat([t(f"attention.self.{n}.bias") for n in ("query", "key", "value")])
         self.qkv = Linear(qkv_w, qkv_b, dtype)
         self.out = Linear(t("attention.output.dense.weight"), t("attention.output.dense.bias"), dtype)
@@ -51,9 +57,9 @@ class BertModel:
         if getattr(c, "position_embedding_type", "absolute") != "absolute":
             raise ValueError("BERT position embeddings other than absolute are not supported")
         e = "embeddings."
-        self.words = weights.take(e + "word_embeddings.weight").float()
-        self.positions = weights.take(e + "position_embeddings.weight").float()
-        self.token_type = weights.take(e + "token_type_embeddings.weight").float()[0]
+        self.words = _dense(weights.take(e + "word_embeddings.weight"))
+        self.positions = _dense(weights.take(e + "position_embeddings.weight"))
+        self.token_type = _dense(weights.take(e + "token_type_embeddings.weight"))[0]
         self.norm = LayerNorm(weights.take(e + "LayerNorm.weight"), weights.take(e + "LayerNorm.bias"),
                               c.layer_norm_eps)
         self.layers = [BertLayer(c, i, weights, dtype) for i in range(c.num_hidden_layers)]

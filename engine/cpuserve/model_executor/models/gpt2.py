@@ -13,17 +13,24 @@ from cpuserve.model_executor.models.common import CausalLM, Weights
 _ACTS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 
+def _linear(w):
+    """A Conv1D weight [in, out] as a linear one [out, in]; quantized weights (a GGUF's blocks)
+    are stored [out, in] already."""
+    return w.t() if isinstance(w, torch.Tensor) else w
+
+
 class GPT2Block:
     def __init__(self, c, i: int, w: Weights, dtype: torch.dtype, tp: TPGroup):
         p = f"transformer.h.{i}."
         h = c.n_embd
         hd = h // c.n_head
         eps = c.layer_norm_epsilon
-        qkv_w = w.take(p + "attn.c_attn.weight").t()  # Conv1D: [in, 3h] -> [3h, in]
+        qkv_w = _linear(w.take(p + "attn.c_attn.weight"))
         qkv_b = w.take(p + "attn.c_attn.bias")
         self.qkv = QKVParallelLinear(qkv_w[:h], qkv_w[h:2 * h], qkv_w[2 * h:],
                                      [qkv_b[:h], qkv_b[h:2 * h], qkv_b[2 * h:]], hd, dtype, tp)
-        self.c_proj = RowParallelLinear(w.take(p + "attn.c_proj.weight").t(), w.take(p + "attn.c_proj.bias"), dtype, tp,
+        self.c_proj = RowParallelLinear(_linear(w.take(p + "attn.c_proj.weight")), w.take(p + "attn.c_proj.bias"),
+                                        dtype, tp,
                                         self.qkv.o_range)
         scale = hd ** -0.5 if c.scale_attn_weights else 1.0
         if getattr(c, "scale_attn_by_inverse_layer_idx", False):
@@ -31,8 +38,10 @@ class GPT2Block:
         self.attn = PagedAttention.for_qkv(self.qkv, hd, scale)
         self.ln_1 = LayerNorm(w.take(p + "ln_1.weight"), w.take(p + "ln_1.bias"), eps)
         self.ln_2 = LayerNorm(w.take(p + "ln_2.weight"), w.take(p + "ln_2.bias"), eps)
-        self.c_fc = ColumnParallelLinear(w.take(p + "mlp.c_fc.weight").t(), w.take(p + "mlp.c_fc.bias"), dtype, tp)
-        self.mlp_proj = RowParallelLinear(w.take(p + "mlp.c_proj.weight").t(), w.take(p + "mlp.c_proj.bias"), dtype, tp)
+        self.c_fc = ColumnParallelLinear(_linear(w.take(p + "mlp.c_fc.weight")), w.take(p + "mlp.c_fc.bias"), dtype,
+                                         tp)
+        self.mlp_proj = RowParallelLinear(_linear(w.take(p + "mlp.c_proj.weight")), w.take(p + "mlp.c_proj.bias"),
+                                          dtype, tp)
         self.approximate = _ACTS[c.activation_function]
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,9 @@ from tests.engine.live_topology import NUMA_FORBIDDEN, allowed, allowed_nodes, c
 SCRIPT = str(Path(__file__).parent / "tp_script.py")
 
 
-def run(mode, tp, prompts=None, timeout=300, kv_cache_dtype="auto"):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), TP_KV_CACHE_DTYPE=kv_cache_dtype)
+def run(mode, tp, prompts=None, timeout=300, kv_cache_dtype="auto", model=None):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), TP_KV_CACHE_DTYPE=kv_cache_dtype,
+               TP_MODEL=str(model or ""))
     args = [sys.executable, SCRIPT, mode, str(tp)] + ([json.dumps(prompts)] if prompts is not None else [])
     r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -160,6 +160,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("isa", [](const Kernels& k) { return std::string(k.t->isa); })
       .def_property_readonly("vec_width", [](const Kernels& k) { return k.t->vec_width; })
       .def_property_readonly("gemm_nr", [](const Kernels& k) { return k.t->gemm_nr; })
+      .def_property_readonly("bf16_dot", [](const Kernels& k) { return k.t->bf16_dot; })
       .def("rms_norm", [](const Kernels& k, uintptr_t out, uintptr_t x, uintptr_t w, int64_t rows, int64_t dim,
                           int64_t xs, int64_t os, float eps) {
              k.t->rms_norm(ptr<float>(out), ptr<const float>(x), ptr<const float>(w), rows, dim, xs, os, eps);

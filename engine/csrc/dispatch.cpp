@@ -28,6 +28,9 @@ const KernelTable* table_avx512() { return nullptr; }
 #ifndef CPUSERVE_HAVE_AVX512_VNNI
 const KernelTable* table_avx512_vnni() { return nullptr; }
 #endif
+#ifndef CPUSERVE_HAVE_AVX512_BF16
+const KernelTable* table_avx512_bf16() { return nullptr; }
+#endif
 #ifndef CPUSERVE_HAVE_NEON
 const KernelTable* table_neon() { return nullptr; }
 #endif
@@ -43,6 +46,7 @@ namespace {
 bool cpu_has(const char* isa) {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
+  if (std::strcmp(isa, "avx512_bf16") == 0) return cpu_has("avx512_vnni") && __builtin_cpu_supports("avx512bf16");
   if (std::strcmp(isa, "avx512_vnni") == 0) return cpu_has("avx512") && __builtin_cpu_supports("avx512vnni");
   if (std::strcmp(isa, "avx512") == 0)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -66,6 +70,7 @@ const KernelTable* table_by_name(const char* name) {
   else if (std::strcmp(name, "avx2") == 0) t = table_avx2();
   else if (std::strcmp(name, "avx512") == 0) t = table_avx512();
   else if (std::strcmp(name, "avx512_vnni") == 0) t = table_avx512_vnni();
+  else if (std::strcmp(name, "avx512_bf16") == 0) t = table_avx512_bf16();
   else if (std::strcmp(name, "neon") == 0) t = table_neon();
   else if (std::strcmp(name, "neon_dotprod") == 0) t = table_neon_dotprod();
   else if (std::strcmp(name, "vxe") == 0) t = table_vxe();

@@ -11,6 +11,8 @@ namespace cpuserve {
 enum class DType : int { F32 = 0, BF16 = 1, F16 = 2, F8E5M2 = 3, F8E4M3 = 4 };
 
 struct bf16 { uint16_t bits; };
+// Two bfloat16 of consecutive k, low half first: the operand of a bf16 pair dot product.
+struct bf16x2 { uint32_t bits; };
 struct f16 { uint16_t bits; };
 // KV cache only: OCP float8, torch's float8_e5m2 and float8_e4m3fn.
 struct f8e5m2 { uint8_t bits; };

@@ -22,6 +22,7 @@ const KernelTable* CPUSERVE_TABLE_FN() {
       VecF::kIsa,
       VecF::N,
       kNR,
+      kBf16Pairs,
       &rms_norm_impl,
       &fused_add_rms_norm_impl,
       &rotary_impl,

@@ -12,6 +12,9 @@ struct KernelTable {
   const char* isa;
   int vec_width;  // floats per vector register
   int gemm_nr;    // panel width of packed weights (columns of W^T per panel)
+  // bfloat16 weights run as pair dot products on A rounded to bfloat16 (AVX-512 BF16); a
+  // packed bf16 weight then holds ceil(K/2) pairs a column (K rounded up to even)
+  bool bf16_dot;
 
   // out[r, :] = x[r, :] / rms(x[r, :]) * w           (out may alias x)
   void (*rms_norm)(float* out, const float* x, const float* w, int64_t rows, int64_t dim,
@@ -70,15 +73,16 @@ struct KernelTable {
                  int64_t lda, int64_t ldc, bool act_asym);
 };
 
-// Every ISA name, best first: a CPU with a variant (avx512_vnni, neon_dotprod) also runs the
-// plain table, which the tests compare against.
-constexpr const char* kIsaNames[] = {"avx512_vnni", "avx512", "avx2", "neon_dotprod", "neon", "vxe", "scalar"};
+// Every ISA name, best first: a CPU with a variant (avx512_bf16 = avx512_vnni + bf16 pair dot
+// products, avx512_vnni, neon_dotprod) also runs the plain table, which the tests compare against.
+constexpr const char* kIsaNames[] = {"avx512_bf16", "avx512_vnni", "avx512", "avx2", "neon_dotprod", "neon", "vxe", "scalar"};
 
 // Tables compiled into this build (nullptr where the ISA is not built).
 const KernelTable* table_scalar();
 const KernelTable* table_avx2();
 const KernelTable* table_avx512();
 const KernelTable* table_avx512_vnni();
+const KernelTable* table_avx512_bf16();
 const KernelTable* table_neon();
 const KernelTable* table_neon_dotprod();
 const KernelTable* table_vxe();

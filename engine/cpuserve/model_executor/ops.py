@@ -145,7 +145,7 @@ class PackedWeight:
         self.dtype = weight.dtype
         nr = k.gemm_nr
         panels = (self.n + nr - 1) // nr
-        self.data = torch.empty(panels * nr * self.k, dtype=weight.dtype)
+        self.data = torch.empty(panels * nr * (self.k + self.k % 2), dtype=weight.dtype)  # bf16 pairs: K even
         k.pack_weight(self.data.data_ptr(), weight.data_ptr(), _dtype_code(weight.dtype), self.n, self.k)
 
     @property

@@ -96,7 +96,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     return out
 
 
-def linear(x, weight, bias=None):
+def linear(x, weight, bias=None, bf16_inputs: bool = False):
+    """x @ weight^T (+ bias) in float64; `bf16_inputs`: x rounded to bfloat16 first, as the
+    AVX-512 BF16 kernels do for bfloat16 weights (Kernels.bf16_dot)."""
+    if bf16_inputs:
+        x = x.to(torch.bfloat16).float()
     y = x.double() @ weight.double().t()
     if bias is not None:
         y = y + bias.double()

@@ -27,7 +27,9 @@ inline __m512 exp_ps(__m512 x) {
 
 struct VecF {
   static constexpr int N = 16;
-#ifdef __AVX512VNNI__
+#if defined(__AVX512BF16__)
+  static constexpr const char* kIsa = "avx512_bf16";
+#elif defined(__AVX512VNNI__)
   static constexpr const char* kIsa = "avx512_vnni";
 #else
   static constexpr const char* kIsa = "avx512";
@@ -44,6 +46,16 @@ struct VecF {
   static VecF load(const f16* p) {
     return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
   }
+#ifdef __AVX512BF16__
+  // bf16 pairs (k, k+1) as raw bits: 16 columns' pairs, or one pair in every lane.
+  static VecF load(const bf16x2* p) { return {_mm512_castsi512_ps(_mm512_loadu_si512(p))}; }
+  static VecF set1(bf16x2 x) { return {_mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(x.bits)))}; }
+  // c + a.hi * b.hi + a.lo * b.lo per lane (vdpbf16ps: the high pair first, each sum rounded
+  // to nearest even, denormal inputs and results flushed to zero)
+  static VecF dot2(VecF a, VecF b, VecF c) {
+    return {_mm512_dpbf16_ps(c.v, (__m512bh)a.v, (__m512bh)b.v)};  // NOLINT: same-size vector casts
+  }
+#endif
   // Lanes i: float((p[i] >> shift) & mask), for N bytes at p (quantized weight codes).
   static VecF u8(const uint8_t* p, int shift, int mask) {
     __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

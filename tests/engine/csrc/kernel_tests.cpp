@@ -8,6 +8,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernel_table.hpp"
@@ -108,19 +109,45 @@ TEST_P(VectorVsScalar, GatedActivations) {
   expect_close(o1, o2, 1e-5f);
 }
 
+// The bf16 pair path written out: A and W as bfloat16, per output one chain over k pairs,
+// each pair adding the high product, then the low one (vdpbf16ps' order), then the bias.
+std::vector<float> bf16_pair_reference(const std::vector<float>& a, const std::vector<bf16>& w,
+                                       const std::vector<float>& bias, int64_t m, int64_t n, int64_t k) {
+  std::vector<float> c(m * n);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t j = 0; j < n; ++j) {
+      float acc = 0.f;
+      for (int64_t q = 0; 2 * q < k; ++q) {
+        const float hi = 2 * q + 1 < k ? to_float(from_float<bf16>(a[r * k + 2 * q + 1])) *
+                                             to_float(w[j * k + 2 * q + 1]) : 0.f;
+        acc = acc + hi;
+        acc = acc + to_float(from_float<bf16>(a[r * k + 2 * q])) * to_float(w[j * k + 2 * q]);
+      }
+      c[r * n + j] = acc + bias[j];
+    }
+  return c;
+}
+
 template <typename T>
 void check_gemm(const KernelTable* v, DType dt, int64_t m, int64_t n, int64_t k) {
   const KernelTable* s = table_scalar();
   auto a = randn(m * k, 8);
   auto w = convert<T>(randn(n * k, 9));
   auto bias = randn(n, 10);
-  std::vector<T> pv(((n + v->gemm_nr - 1) / v->gemm_nr) * v->gemm_nr * k);
+  std::vector<T> pv(((n + v->gemm_nr - 1) / v->gemm_nr) * v->gemm_nr * (k + k % 2));
   std::vector<T> ps(((n + s->gemm_nr - 1) / s->gemm_nr) * s->gemm_nr * k);
   v->pack_weight(pv.data(), w.data(), dt, n, k);
   s->pack_weight(ps.data(), w.data(), dt, n, k);
   std::vector<float> c1(m * n), c2(m * n);
   v->gemm(c1.data(), a.data(), pv.data(), dt, bias.data(), m, n, k, k, n);
   s->gemm(c2.data(), a.data(), ps.data(), dt, bias.data(), m, n, k, k, n);
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (v->bf16_dot) {  // bfloat16 activations: the pair reference's bits (finite, normal data)
+      const auto ref = bf16_pair_reference(a, w, bias, m, n, k);
+      ASSERT_EQ(0, std::memcmp(c1.data(), ref.data(), c1.size() * 4)) << v->isa << " m " << m << " k " << k;
+      c2 = ref;
+    }
+  }
   expect_close(c1, c2, 1e-4f);
   // batch invariance inside the vector path: one row alone == that row in the batch
   std::vector<float> row(n);

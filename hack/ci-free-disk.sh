@@ -7,7 +7,12 @@
 # clone stay), then pip's download cache. Usage: hack/ci-free-disk.sh [GiB needed, default 25]
 set -euo pipefail
 need=${1:-25}
-free_gib() { df -Pk / | awk 'NR == 2 { print int($4 / 1048576) }'; }
+# the least free space of the filesystems a run writes to: the clone, the caches, container storage
+free_gib() {
+  local dirs=(. "$HOME")
+  [ -d /var/lib/containers ] && dirs+=(/var/lib/containers)
+  df -Pk "${dirs[@]}" | awk 'NR > 1 { g = int($4 / 1048576); if (m == "" || g < m) m = g } END { print m }'
+}
 [ "$(free_gib)" -ge "$need" ] && exit 0
 echo "ci-free-disk: $(free_gib) GiB free, $need wanted: removing what earlier runs left behind"
 if command -v buildah >/dev/null; then buildah rm --all >/dev/null 2>&1 || true; fi

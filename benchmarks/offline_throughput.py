@@ -37,7 +37,8 @@ def prompts():
 
 
 def case_engine(dtype: str) -> dict:
-    """dtype "gguf": the default GGUF in its Q4_1 blocks; "w8a8": its weights as an INT8 W8A8
+    """dtype "gguf": the default GGUF in its Q4_1 blocks ("gguf-int8": on int8 dot products, the
+    activations quantized per block); "w8a8": its weights as an INT8 W8A8
     checkpoint (made once into the cache, before the clock starts); float32 / bfloat16: every
     weight widened."""
     from cpuserve.entrypoints.bench import engine_llm
@@ -126,7 +127,8 @@ def main() -> None:
     ap.add_argument("--case")
     a = ap.parse_args()
     if a.case:
-        fn = {"q4_1": lambda: case_engine("gguf"), "w8a8": lambda: case_engine("w8a8"),
+        fn = {"q4_1": lambda: case_engine("gguf"), "q4_1_i8": lambda: case_engine("gguf-int8"),
+              "w8a8": lambda: case_engine("w8a8"),
               "f32": lambda: case_engine("float32"),
               "bf16": lambda: case_engine("bfloat16"),
               "hf": case_transformers, "cold": case_cold_start}[a.case]
@@ -134,7 +136,7 @@ def main() -> None:
         return
 
     OUT.mkdir(parents=True, exist_ok=True)
-    results = {"q4_1": [], "w8a8": [], "f32": [], "bf16": []}
+    results = {"q4_1": [], "q4_1_i8": [], "w8a8": [], "f32": [], "bf16": []}
     for i in range(REPEATS):
         for name in results:
             results[name].append(run_case(name))
@@ -150,7 +152,8 @@ def main() -> None:
 def write_report(results: dict, hf: dict, cold: dict) -> None:
     import platform
     rows = []
-    for name, label in (("q4_1", "Q4_1 blocks"), ("w8a8", "INT8 W8A8"), ("f32", "float32"), ("bf16", "bfloat16")):
+    for name, label in (("q4_1", "Q4_1 blocks"), ("q4_1_i8", "Q4_1 blocks, int8 activations"), ("w8a8", "INT8 W8A8"),
+                        ("f32", "float32"), ("bf16", "bfloat16")):
         runs = results[name]
         tps, tps_lo, tps_hi = summarize(runs, "tok_per_s")
         dec, dec_lo, dec_hi = summarize(runs, "decode_ms")

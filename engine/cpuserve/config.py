@@ -30,6 +30,7 @@ class EngineConfig:
     dtype: str = "auto"               # auto | float32 | bfloat16 | float16 (weights and KV cache)
     kv_cache_dtype: str = "auto"      # auto (= dtype) | float32 | bfloat16 | float16 | fp8_e5m2 | fp8_e4m3 (fp8)
     quantization: str | None = None   # None/auto (as the checkpoint is) | gguf | awq | gptq | none (widen to dtype)
+    quantized_activations: str = "none"  # int8: block-quantized GEMMs on int8 dot products (kernels/qdot.hpp)
     block_size: int = 128
     kv_cache_space: float | None = None   # GiB; default from VLLM_CPU_KVCACHE_SPACE, else 4
     num_kv_blocks: int | None = None      # exact block count (tests); overrides kv_cache_space
@@ -56,6 +57,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.quantization not in (None, "auto", "gguf", "awq", "gptq", "none"):
             raise ValueError(f"quantization must be auto, gguf, awq, gptq or none, got {self.quantization!r}")
+        if self.quantized_activations not in ("none", "int8"):
+            raise ValueError(f"quantized_activations must be none or int8, got {self.quantized_activations!r}")
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}")
         if self.tensor_parallel_size < 1:

@@ -8,6 +8,7 @@
 #include "kernels/gemm.hpp"
 #include "kernels/int8.hpp"
 #include "kernels/norm.hpp"
+#include "kernels/qdot.hpp"
 #include "kernels/quant.hpp"
 #include "kernels/rotary.hpp"
 
@@ -38,6 +39,10 @@ const KernelTable* CPUSERVE_TABLE_FN() {
       &i8packed_bytes_impl,
       &i8pack_impl,
       &i8gemm_impl,
+      &qdpacked_bytes_impl,
+      &qdpack_impl,
+      &qdgemm_impl,
+      &qdrows_impl,
   };
   return &table;
 }

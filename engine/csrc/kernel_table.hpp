@@ -71,6 +71,14 @@ struct KernelTable {
   void (*i8pack)(uint8_t* dst, const int8_t* w, const float* scale, int64_t n, int64_t k);
   void (*i8gemm)(float* c, const float* a, const uint8_t* w, const float* bias, int64_t m, int64_t n, int64_t k,
                  int64_t lda, int64_t ldc, bool act_asym);
+  // GGUF blocks on int8 dot products (kernels/qdot.hpp): each weight's code and its group's scale
+  // and offset, activations quantized to int8 per group (the types of at most 6-bit codes;
+  // qdpacked_bytes is -1 for the others). Exact integer sums: every table gives the same bits.
+  int64_t (*qdpacked_bytes)(int qtype, int64_t n, int64_t k);
+  void (*qdpack)(uint8_t* dst, const uint8_t* src, int qtype, int64_t n, int64_t k);
+  void (*qdgemm)(float* c, const float* a, const uint8_t* w, int qtype, const float* bias, int64_t m,
+                 int64_t n, int64_t k, int64_t lda, int64_t ldc);
+  void (*qdrows)(float* out, const uint8_t* w, int qtype, const int64_t* ids, int64_t count, int64_t k);
 };
 
 // Every ISA name, best first: a CPU with a variant (avx512_bf16 = avx512_vnni + bf16 pair dot

@@ -70,7 +70,7 @@ def random_q4_1(n: int, k: int):
 def random_weight(dtype: torch.dtype | str, n: int, k: int):
     from cpuserve.loading.quant_tensor import Int8Tensor
 
-    if dtype == "gguf":
+    if dtype in ("gguf", "gguf-int8"):
         return random_q4_1(n, k)
     if dtype == "w8a8":
         return Int8Tensor(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) * 0.01)
@@ -78,10 +78,12 @@ def random_weight(dtype: torch.dtype | str, n: int, k: int):
 
 
 def kernel_gflops(dtype: torch.dtype | str, m: int, k: int, n: int, repeats: int = 20) -> float:
-    """Our GEMM on the model's MLP shape: dense in `dtype`, "gguf" (Q4_1 blocks) or "w8a8"."""
+    """Our GEMM on the model's MLP shape: dense in `dtype`, "gguf" (Q4_1 blocks), "gguf-int8" (the
+    same on int8 dot products) or "w8a8"."""
     from cpuserve.model_executor import ops
 
-    w = ops.pack(random_weight(dtype, n, k), dtype if isinstance(dtype, torch.dtype) else torch.float32)
+    with ops.quantized_activations("int8" if dtype == "gguf-int8" else "none"):
+        w = ops.pack(random_weight(dtype, n, k), dtype if isinstance(dtype, torch.dtype) else torch.float32)
     x = torch.randn(m, k)
     out = torch.empty(m, n)
     return 2 * m * n * k / _best(lambda: ops.linear(x, w, out=out), repeats) / GB
@@ -91,7 +93,7 @@ def measure_machine(hidden: int, ffn: int) -> Machine:
     kinds = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     return Machine(torch.get_num_threads(), read_bandwidth(),
                    {k: torch_gemm_gflops(d) for k, d in kinds.items()},
-                   {k: kernel_gflops(d, 64, hidden, ffn) for k, d in {**kinds, "gguf": "gguf", "w8a8": "w8a8"}.items()})
+                   {k: kernel_gflops(d, 64, hidden, ffn) for k, d in {**kinds, **{q: q for q in ("gguf", "gguf-int8", "w8a8")}}.items()})
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -184,8 +186,9 @@ def model_size(llm) -> tuple[int, int]:
     return sum(tensor_bytes(w.data) for w in packed), sum(w.n * w.k for w in packed)
 
 
-# the default GGUF in its blocks (Q4_1), its weights as a W8A8 checkpoint, or widened to a dtype
-ENGINES = ("gguf", "w8a8", "float32", "bfloat16")
+# the default GGUF in its blocks (Q4_1; with int8 activations), its weights as a W8A8 checkpoint,
+# or widened to a dtype
+ENGINES = ("gguf", "gguf-int8", "w8a8", "float32", "bfloat16")
 
 
 def engine_llm(engine: str, **kw):
@@ -194,7 +197,10 @@ def engine_llm(engine: str, **kw):
 
     if engine == "w8a8":  # the LM head (not quantized, as compressed-tensors' "ignore" has it) in bfloat16
         return LLM(str(default_w8a8()), dtype="bfloat16", **kw)
-    return LLM(dtype="float32" if engine == "gguf" else engine, quantization="gguf" if engine == "gguf" else "none", **kw)
+    if engine in ("gguf", "gguf-int8"):
+        return LLM(dtype="float32", quantization="gguf", quantized_activations="int8" if engine == "gguf-int8" else "none",
+                   **kw)
+    return LLM(dtype=engine, quantization="none", **kw)
 
 
 def run(dtypes=ENGINES, batch: int = 64, tokens: int = 32) -> dict:

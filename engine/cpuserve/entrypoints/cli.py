@@ -29,6 +29,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "gguf", "awq", "gptq", "compressed-tensors", "none"],
                    help="auto: a GGUF keeps its quantized blocks (gguf), an AWQ / GPTQ checkpoint its 4-bit groups, "
                         "a compressed-tensors one its int8 W8A8 weights; none: widen every weight to --dtype")
+    p.add_argument("--quantized-activations", default="none", choices=["none", "int8"],
+                   help="int8: GEMMs on GGUF / AWQ / GPTQ blocks of at most 6-bit codes (Q8_0 excepted) quantize "
+                        "their input to int8 per block and use int8 dot products (llama.cpp's scheme): faster "
+                        "batches, activations rounded (see the README for the perplexity change)")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--kv-cache-space", type=float, default=None,
                    help="GiB for the KV cache (default: VLLM_CPU_KVCACHE_SPACE, else 4)")
@@ -48,7 +52,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(model=a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,
-                quantization=a.quantization, block_size=a.block_size,
+                quantization=a.quantization, quantized_activations=a.quantized_activations, block_size=a.block_size,
                 kv_cache_space=a.kv_cache_space, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                 enable_prefix_caching=a.enable_prefix_caching, enable_chunked_prefill=a.enable_chunked_prefill,

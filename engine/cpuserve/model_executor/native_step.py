@@ -19,12 +19,15 @@ ENABLED = os.environ.get("CPUSERVE_NATIVE_STEP", "1") != "0"
 
 
 INT8_KIND = 256  # runner/decoder_step.hpp's kInt8Kind
+QDOT_KIND = 512  # ... and kQDotKind
 
 
 def _kind(p) -> int:
     if ops.is_int8(p):
         return INT8_KIND + int(p.act_asym)
-    return 16 + p.qtype if ops.is_quantized(p) else ops.DTYPE_CODES[p.dtype]
+    if ops.is_quantized(p):
+        return (QDOT_KIND if p.int8_dot else 16) + p.qtype
+    return ops.DTYPE_CODES[p.dtype]
 
 
 def _linear_spec(weight, bias) -> tuple:

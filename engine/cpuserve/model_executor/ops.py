@@ -8,6 +8,8 @@ ISA, or the one named by CPUSERVE_ISA.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 
 import torch
@@ -155,15 +157,21 @@ class PackedWeight:
 
 class QuantWeight:
     """A [N, K] GGUF block-quantized weight (loading.quant_tensor.QuantTensor), its blocks
-    regrouped into the quantized GEMM's panels: the same bytes, never widened."""
+    regrouped into the quantized GEMM's panels: the same bytes, never widened.
 
-    __slots__ = ("data", "n", "k", "qtype", "type_name")
+    int8_dot: the int8-dot GEMM's panels instead (kernels/qdot.hpp; codes of at most 6 bits):
+    each weight's code with its group's float32 scale and offset, and the layer's input
+    quantized to int8 per group on the fly (llama.cpp's scheme)."""
 
-    def __init__(self, weight, k=KERNELS):
+    __slots__ = ("data", "n", "k", "qtype", "type_name", "int8_dot")
+
+    def __init__(self, weight, k=KERNELS, int8_dot: bool = False):
         self.n, self.k = weight.shape
-        self.qtype, self.type_name = weight.qtype, weight.type_name
-        self.data = torch.empty(k.qpacked_bytes(self.qtype, self.n, self.k), dtype=torch.uint8)
-        k.qpack(self.data.data_ptr(), weight.data.data_ptr(), self.qtype, self.n, self.k)
+        self.qtype, self.int8_dot = weight.qtype, int8_dot
+        self.type_name = weight.type_name + (" x int8" if int8_dot else "")
+        size = k.qdpacked_bytes(self.qtype, self.n, self.k) if int8_dot else k.qpacked_bytes(self.qtype, self.n, self.k)
+        self.data = torch.empty(size, dtype=torch.uint8)
+        (k.qdpack if int8_dot else k.qpack)(self.data.data_ptr(), weight.data.data_ptr(), self.qtype, self.n, self.k)
 
     @property
     def nbytes(self) -> int:
@@ -223,6 +231,24 @@ def is_packed(w) -> bool:
         and (hasattr(w, "qtype") or hasattr(w, "dtype") or hasattr(w, "act_asym"))
 
 
+# GGUF types whose codes have at most 6 bits: the int8-dot GEMM runs them (Q8_0 stays on the float path)
+INT8_DOT_QTYPES = frozenset({2, 3, 6, 7, 12, 13, 14, 100})
+_ACTIVATIONS = contextvars.ContextVar("quantized_activations", default="none")
+
+
+@contextlib.contextmanager
+def quantized_activations(mode: str):
+    """Within: pack() puts block-quantized weights (GGUF, AWQ, GPTQ) of the INT8_DOT_QTYPES on the
+    int8-dot GEMM when mode is "int8" (--quantized-activations); "none" keeps float32 activations."""
+    if mode not in ("none", "int8"):
+        raise ValueError(f"quantized activations must be none or int8, got {mode!r}")
+    token = _ACTIVATIONS.set(mode)
+    try:
+        yield
+    finally:
+        _ACTIVATIONS.reset(token)
+
+
 def pack(weight, dtype: torch.dtype):
     """The GEMM form of a weight: dense tensors packed in `dtype`, quantized ones in their
     blocks, a list of row blocks (loading.quant_tensor.cat_rows) part by part."""
@@ -230,7 +256,9 @@ def pack(weight, dtype: torch.dtype):
         return StackedWeight([pack(p, dtype) for p in weight])
     if isinstance(weight, torch.Tensor):
         return PackedWeight(weight.to(dtype))
-    return Int8Weight(weight) if is_int8(weight) else QuantWeight(weight)
+    if is_int8(weight):
+        return Int8Weight(weight)
+    return QuantWeight(weight, int8_dot=_ACTIVATIONS.get() == "int8" and weight.qtype in INT8_DOT_QTYPES)
 
 
 def storage_name(w) -> str:
@@ -258,7 +286,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, out: torch.Tens
             k.i8gemm(o.data_ptr(), x.data_ptr(), p.data.data_ptr(), b, x.shape[0], p.n, p.k, x.stride(0), o.stride(0),
                      p.act_asym)
         elif is_quantized(p):
-            k.qgemm(o.data_ptr(), x.data_ptr(), p.data.data_ptr(), p.qtype, b, x.shape[0], p.n, p.k, x.stride(0),
+            (k.qdgemm if p.int8_dot else k.qgemm)(o.data_ptr(), x.data_ptr(), p.data.data_ptr(), p.qtype, b, x.shape[0], p.n, p.k, x.stride(0),
                     o.stride(0))
         else:
             k.gemm(o.data_ptr(), x.data_ptr(), p.data.data_ptr(), _dtype_code(p.dtype), b, x.shape[0], p.n, p.k,
@@ -273,5 +301,5 @@ def dequantized_rows(w: QuantWeight, ids: torch.Tensor, k=KERNELS) -> torch.Tens
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= w.n):
         raise IndexError(f"row index out of range for a weight of {w.n} rows")
     out = torch.empty((ids.numel(), w.k), dtype=torch.float32)
-    k.qrows(out.data_ptr(), w.data.data_ptr(), w.qtype, ids.data_ptr(), ids.numel(), w.k)
+    (k.qdrows if w.int8_dot else k.qrows)(out.data_ptr(), w.data.data_ptr(), w.qtype, ids.data_ptr(), ids.numel(), w.k)
     return out

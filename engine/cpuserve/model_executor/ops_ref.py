@@ -129,3 +129,22 @@ def w8a8_linear(x, w_int8, w_scale, bias=None, asym: bool = False):
     acc = (q.long() - z.long().unsqueeze(1)) @ w_int8.long().T
     out = acc.to(torch.int32).float() * (s.unsqueeze(1) * w_scale.reshape(1, -1).float())
     return out + bias if bias is not None else out
+
+
+def quantize_groups(x, group: int):
+    """x [M, K] float32 quantized to int8 per group of `group` consecutive k (the int8-dot GGUF
+    GEMM's activations): s = max|x| / 127 over the group (1 for a group of zeros), q = rne(x / s)."""
+    xg = x.float().reshape(x.shape[0], -1, group)
+    s = xg.abs().amax(dim=2, keepdim=True) / 127.0
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.round(xg / s).clamp(-127, 127)
+    return q.reshape(x.shape), s.squeeze(2)
+
+
+def int8_dot_linear(x, w, group: int, bias=None):
+    """x [M, K] @ w^T with x quantized per group (quantize_groups) and w the dequantized block
+    weight [N, K], in float64: what the int8-dot GEMM computes up to float32 rounding."""
+    q, s = quantize_groups(x, group)
+    xq = (q.reshape(x.shape[0], -1, group).double() * s.double().unsqueeze(2)).reshape(x.shape)
+    out = (xq @ w.double().T).float()
+    return out + bias if bias is not None else out

@@ -14,7 +14,7 @@ from cpuserve.config import EngineConfig
 from cpuserve.core.scheduler import ScheduledBatch
 from cpuserve.core.sequence import Sequence
 from cpuserve.loading.model_loader import checkpoint_quantization, load_config, load_state_dict, resolve
-from cpuserve.model_executor import models
+from cpuserve.model_executor import models, ops
 from cpuserve.model_executor.context import ForwardContext, set_context
 from cpuserve.model_executor.models.common import Weights
 from cpuserve.model_executor.parallel import TPGroup
@@ -167,8 +167,9 @@ class ModelRunner:
 
     def _load(self, cls) -> None:
         """Weights, then the KV cache; rank 0 then waits for the other ranks to be ready."""
-        self.model = cls(self.hf_config, Weights(load_state_dict(self.model_dir, self.quantization)), self.dtype,
-                         self.tp)
+        with ops.quantized_activations(self.config.quantized_activations):
+            self.model = cls(self.hf_config, Weights(load_state_dict(self.model_dir, self.quantization)), self.dtype,
+                             self.tp)
         self.weight_bytes = tensor_bytes(self.model)  # before the KV cache is bound to the layers
         self.num_blocks, self.kv_cache = self._allocate_kv_cache()
         if self.ranks is not None:

@@ -13,6 +13,7 @@ import torch
 
 from cpuserve.config import EngineConfig
 from cpuserve.loading.model_loader import checkpoint_quantization, load_config, load_state_dict, resolve
+from cpuserve.model_executor import ops
 from cpuserve.model_executor.models import model_class
 from cpuserve.model_executor.models.common import Weights
 from cpuserve.model_executor.pooling import Pooling
@@ -53,8 +54,9 @@ class EncoderRunner:
         self.dtype = torch.float32
         self.tp, self.binding, self.ranks = start_rank0(config, str(self.model_dir))
         self.quantization = checkpoint_quantization(self.model_dir, config.quantization)
-        self.model = model_class(self.hf_config)(
-            self.hf_config, Weights(load_state_dict(self.model_dir, self.quantization)), self.dtype)
+        with ops.quantized_activations(config.quantized_activations):
+            self.model = model_class(self.hf_config)(
+                self.hf_config, Weights(load_state_dict(self.model_dir, self.quantization)), self.dtype)
         self.pooling = Pooling.from_dir(self.model_dir, decoder=False)
         limits = [self.model.max_positions, self.pooling.max_len, config.max_model_len]
         self.max_model_len = min(n for n in limits if n)

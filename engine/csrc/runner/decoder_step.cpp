@@ -9,7 +9,9 @@ void DecoderStack::linear(const LinearDesc& l, const float* x, int64_t lda, floa
   int64_t col = 0;
   for (const LinearPart& p : l.parts) {
     const float* b = l.bias != nullptr ? l.bias + col : nullptr;
-    if (p.kind >= kInt8Kind)
+    if (p.kind >= kQDotKind)
+      t_->qdgemm(out + col, x, static_cast<const uint8_t*>(p.w), p.kind - kQDotKind, b, m, p.n, l.k, lda, ldc);
+    else if (p.kind >= kInt8Kind)
       t_->i8gemm(out + col, x, static_cast<const uint8_t*>(p.w), b, m, p.n, l.k, lda, ldc, p.kind == kInt8Kind + 1);
     else if (p.kind >= 16)
       t_->qgemm(out + col, x, static_cast<const uint8_t*>(p.w), p.kind - 16, b, m, p.n, l.k, lda, ldc);

@@ -10,11 +10,13 @@
 namespace cpuserve {
 
 constexpr int kInt8Kind = 256;
+constexpr int kQDotKind = 512;  // + ggml type id: GGUF blocks on int8 dot products (kernels/qdot.hpp)
 
 struct LinearPart {
   const void* w;  // packed weight
   int kind;       // DType code for dense weights, 16 + ggml type id for quantized ones,
-                  // kInt8Kind (+ 1 with asymmetric activations) for W8A8 ones
+                  // kInt8Kind (+ 1 with asymmetric activations) for W8A8 ones,
+                  // kQDotKind + ggml type id for GGUF blocks on int8 dot products
   int64_t n;      // output columns of this part
 };
 

@@ -34,6 +34,9 @@ struct VecF {
   static VecF zero() { return {_mm256_setzero_ps()}; }
   static VecF set1(float x) { return {_mm256_set1_ps(x)}; }
   static VecF load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static VecF i32(const int32_t* p) {
+    return {_mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+  }
   static VecF load(const bf16* p) {
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))};
@@ -112,6 +115,18 @@ struct VecI8 {
     const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
     const __m256i p16 = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(a, wv));
     return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)))};
+  }
+  // Unsigned weight codes (at most 63) times signed activations (kernels/qdot.hpp): lane l +=
+  // sum_j w[4l + j] * a[j]; u8 x s8 pairs fit int16 for such codes, so maddubs cannot saturate.
+  using W = __m256i;
+  static W loadw(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static void nibbles(W x, W& lo, W& hi) {
+    lo = _mm256_and_si256(x, _mm256_set1_epi8(15));
+    hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), _mm256_set1_epi8(15));
+  }
+  static A bcast_s(int32_t a4) { return _mm256_set1_epi32(a4); }
+  static VecI8 dotu(VecI8 acc, W w, A a) {
+    return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)))};
   }
   static VecI8 zero() { return {_mm256_setzero_si256()}; }
   void store(int32_t* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }

@@ -39,6 +39,7 @@ struct VecF {
   static VecF zero() { return {_mm512_setzero_ps()}; }
   static VecF set1(float x) { return {_mm512_set1_ps(x)}; }
   static VecF load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static VecF i32(const int32_t* p) { return {_mm512_cvtepi32_ps(_mm512_loadu_si512(p))}; }
   static VecF load(const bf16* p) {
     __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
@@ -128,6 +129,22 @@ struct VecI8 {
     return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(p16, _mm512_set1_epi16(1)))};
   }
 #endif
+  // Unsigned weight codes (at most 63) times signed activations (kernels/qdot.hpp): lane l +=
+  // sum_j w[4l + j] * a[j]; u8 x s8 pairs fit int16 for such codes, so maddubs cannot saturate.
+  using W = __m512i;
+  static W loadw(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static void nibbles(W x, W& lo, W& hi) {
+    lo = _mm512_and_si512(x, _mm512_set1_epi8(15));
+    hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), _mm512_set1_epi8(15));
+  }
+  static A bcast_s(int32_t a4) { return _mm512_set1_epi32(a4); }
+  static VecI8 dotu(VecI8 acc, W w, A a) {
+#ifdef __AVX512VNNI__
+    return {_mm512_dpbusd_epi32(acc.v, w, a)};
+#else
+    return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(_mm512_maddubs_epi16(w, a), _mm512_set1_epi16(1)))};
+#endif
+  }
   static VecI8 zero() { return {_mm512_setzero_si512()}; }
   void store(int32_t* p) const { _mm512_storeu_si512(p, v); }
 };

@@ -36,6 +36,7 @@ struct VecF {
   static VecF zero() { return {vdupq_n_f32(0.f)}; }
   static VecF set1(float x) { return {vdupq_n_f32(x)}; }
   static VecF load(const float* p) { return {vld1q_f32(p)}; }
+  static VecF i32(const int32_t* p) { return {vcvtq_f32_s32(vld1q_s32(p))}; }
   static VecF load(const bf16* p) {
     uint16x4_t h = vld1_u16(reinterpret_cast<const uint16_t*>(p));
     return {vreinterpretq_f32_u32(vshll_n_u16(h, 16))};
@@ -109,6 +110,22 @@ struct VecI8 {
     return {vdotq_s32(acc.v, wv, a)};
 #else
     // int16 products, adjacent pairs summed (<= 2 * 128 * 127), then pairs of pairs into int32
+    const int16x8_t lo = vmull_s8(vget_low_s8(wv), vget_low_s8(a));
+    const int16x8_t hi = vmull_s8(vget_high_s8(wv), vget_high_s8(a));
+    return {vpadalq_s16(acc.v, vpaddq_s16(lo, hi))};
+#endif
+  }
+  // Unsigned weight codes (at most 63, so also valid int8) times signed activations
+  // (kernels/qdot.hpp): lane l += sum_j w[4l + j] * a[j].
+  using W = uint8x16_t;
+  static W loadw(const uint8_t* p) { return vld1q_u8(p); }
+  static void nibbles(W x, W& lo, W& hi) { lo = vandq_u8(x, vdupq_n_u8(15)); hi = vshrq_n_u8(x, 4); }
+  static A bcast_s(int32_t a4) { return bcast(a4); }
+  static VecI8 dotu(VecI8 acc, W w, A a) {
+    const int8x16_t wv = vreinterpretq_s8_u8(w);
+#ifdef __ARM_FEATURE_DOTPROD
+    return {vdotq_s32(acc.v, wv, a)};
+#else
     const int16x8_t lo = vmull_s8(vget_low_s8(wv), vget_low_s8(a));
     const int16x8_t hi = vmull_s8(vget_high_s8(wv), vget_high_s8(a));
     return {vpadalq_s16(acc.v, vpaddq_s16(lo, hi))};

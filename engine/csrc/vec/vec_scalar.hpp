@@ -22,6 +22,11 @@ struct VecF {
     for (int i = 0; i < N; ++i) r.v[i] = to_float(p[i]);
     return r;
   }
+  static VecF i32(const int32_t* p) {
+    VecF r;
+    for (int i = 0; i < N; ++i) r.v[i] = static_cast<float>(p[i]);
+    return r;
+  }
   // Lanes i: float((p[i] >> shift) & mask), for N bytes at p (quantized weight codes).
   static VecF u8(const uint8_t* p, int shift, int mask) {
     VecF r;
@@ -63,6 +68,18 @@ struct VecI8 {
   static VecI8 dot(VecI8 acc, A a, const int8_t* w) {
     for (int l = 0; l < L; ++l)
       for (int j = 0; j < 4; ++j) acc.v[l] += int32_t(a.b[j]) * int32_t(w[4 * l + j]);
+    return acc;
+  }
+  // Unsigned weight codes times signed activations (kernels/qdot.hpp): lane l += sum_j w[4l + j] * a[j].
+  struct W { uint8_t b[4 * L]; };
+  static W loadw(const uint8_t* p) { W w; std::memcpy(w.b, p, sizeof(w.b)); return w; }
+  static void nibbles(W x, W& lo, W& hi) {
+    for (int i = 0; i < 4 * L; ++i) { lo.b[i] = x.b[i] & 15; hi.b[i] = x.b[i] >> 4; }
+  }
+  static A bcast_s(int32_t a4) { return bcast(a4); }
+  static VecI8 dotu(VecI8 acc, const W& w, A a) {
+    for (int l = 0; l < L; ++l)
+      for (int j = 0; j < 4; ++j) acc.v[l] += int32_t(a.b[j]) * int32_t(w.b[4 * l + j]);
     return acc;
   }
   static VecI8 zero() { VecI8 r; for (int l = 0; l < L; ++l) r.v[l] = 0; return r; }

@@ -16,6 +16,11 @@ struct VecF {
   static VecF zero() { return {vec_splats(0.f)}; }
   static VecF set1(float x) { return {vec_splats(x)}; }
   static VecF load(const float* p) { return {vec_xl(0, p)}; }
+  static VecF i32(const int32_t* p) {  // z14 has no 32-bit integer to float vector conversion
+    alignas(16) float t[N];
+    for (int i = 0; i < N; ++i) t[i] = static_cast<float>(p[i]);
+    return load(t);
+  }
   static VecF load(const bf16* p) {
     __vector unsigned short h = vec_xl(0, reinterpret_cast<const unsigned short*>(p));
     __vector unsigned int w = vec_unpackh(h);  // first four elements, zero-extended
@@ -80,6 +85,21 @@ struct VecI8 {
   // even and odd byte products (int16, k0+k1 and k2+k3 per column fit), then their halves.
   static VecI8 dot(VecI8 acc, A a, const int8_t* w) {
     const __vector signed char wv = vec_xl(0, reinterpret_cast<const signed char*>(w));
+    const __vector signed short s = vec_mule(wv, a) + vec_mulo(wv, a);
+    const __vector signed short one = vec_splats(static_cast<short>(1));
+    return {acc.v + vec_mule(s, one) + vec_mulo(s, one)};
+  }
+  // Unsigned weight codes (at most 63, so also valid int8) times signed activations
+  // (kernels/qdot.hpp): lane l += sum_j w[4l + j] * a[j].
+  using W = __vector unsigned char;
+  static W loadw(const uint8_t* p) { return vec_xl(0, p); }
+  static void nibbles(W x, W& lo, W& hi) {
+    lo = x & static_cast<unsigned char>(15);  // GNU vector operators: element-wise
+    hi = x >> static_cast<unsigned char>(4);
+  }
+  static A bcast_s(int32_t a4) { return bcast(a4); }
+  static VecI8 dotu(VecI8 acc, W w, A a) {
+    const __vector signed char wv = reinterpret_cast<__vector signed char>(w);
     const __vector signed short s = vec_mule(wv, a) + vec_mulo(wv, a);
     const __vector signed short one = vec_splats(static_cast<short>(1));
     return {acc.v + vec_mule(s, one) + vec_mulo(s, one)};

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -348,6 +349,83 @@ TEST(Int8, W8A8GemmEqualsReferenceEveryTable) {
               << tab->isa << " m " << m << " row " << r << " asym " << asym;
       }
     }
+}
+
+// The int8-dot GGUF GEMM written out in double: activations quantized per group of G, then
+// sum_g sa * sum_k qa * W with W the float path's dequantized weight (qrows).
+void qdot_reference(const std::vector<float>& a, const std::vector<float>& w, int64_t m, int64_t n, int64_t k, int G,
+                    std::vector<double>& c, std::vector<double>& mag) {
+  c.assign(m * n, 0.0);
+  mag.assign(m * n, 0.0);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < k / G; ++g) {
+      const float* x = &a[r * k + g * G];
+      float amax = 0.f;
+      for (int i = 0; i < G; ++i) amax = std::max(amax, std::fabs(x[i]));
+      const float s = amax > 0.f ? amax / 127.f : 1.f;
+      for (int i = 0; i < G; ++i) {
+        const double xq = double(s) * std::clamp(std::nearbyint(x[i] / s), -127.f, 127.f);
+        for (int64_t j = 0; j < n; ++j) {
+          c[r * n + j] += xq * w[j * k + g * G + i];
+          mag[r * n + j] += std::fabs(xq * w[j * k + g * G + i]);
+        }
+      }
+    }
+}
+
+// Every table, the scalar one included: qdrows gives the float path's weights bit for bit;
+// qdgemm gives the same bits on every table and at every M (a row alone equals that row in a
+// batch), within float rounding of the written-out reference.
+TEST(QuantizedInt8Dot, GemmEqualsReferenceEveryTableAndBatchInvariant) {
+  std::vector<const KernelTable*> tables = vector_tables();
+  tables.push_back(table_scalar());
+  for (int t : {2, 3, 6, 7, 12, 13, 14, 100}) {
+    const QFormat f = qformat(t);
+    const int64_t n = 70, k = f.block == 256 ? 512 : 96;
+    const auto raw = random_gguf(t, n, k, 300 + t);
+    std::vector<float> w(n * k);
+    {
+      const KernelTable* s = table_scalar();
+      std::vector<uint8_t> packed(qpacked_bytes(t, n, k, s->gemm_nr));
+      s->qpack(packed.data(), raw.data(), t, n, k);
+      std::vector<int64_t> ids(n);
+      for (int64_t i = 0; i < n; ++i) ids[i] = i;
+      s->qrows(w.data(), packed.data(), t, ids.data(), n, k);
+    }
+    auto bias = randn(n, 9);
+    std::map<int64_t, std::vector<float>> first;  // per M, the first table's output
+    for (const KernelTable* tab : tables) {
+      std::vector<uint8_t> packed(tab->qdpacked_bytes(t, n, k));
+      tab->qdpack(packed.data(), raw.data(), t, n, k);
+      std::vector<int64_t> ids(n);
+      for (int64_t i = 0; i < n; ++i) ids[i] = (i * 37) % n;
+      std::vector<float> rows(n * k);
+      tab->qdrows(rows.data(), packed.data(), t, ids.data(), n, k);
+      for (int64_t i = 0; i < n; ++i)
+        ASSERT_EQ(0, std::memcmp(&rows[i * k], &w[ids[i] * k], k * 4)) << tab->isa << " type " << t << " row " << i;
+      for (int64_t m : {1, 2, 3, 4, 5, 50}) {
+        auto a = randn(m * k, 40 + m, 2.f);
+        if (m > 2) std::fill(a.begin() + k, a.begin() + 2 * k, 0.f);  // a zero row
+        std::vector<float> c(m * (n + 3), -1.f);
+        tab->qdgemm(c.data(), a.data(), packed.data(), t, bias.data(), m, n, k, k, n + 3);
+        std::vector<double> ref, mag;
+        qdot_reference(a, w, m, n, k, f.group, ref, mag);
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t j = 0; j < n; ++j)
+            ASSERT_NEAR(c[r * (n + 3) + j], ref[r * n + j] + bias[j], 1e-5 * (mag[r * n + j] + std::fabs(bias[j])) + 1e-6)
+                << tab->isa << " type " << t << " m " << m << " at " << r << ", " << j;
+        if (first.count(m) == 0) first[m] = c;
+        ASSERT_EQ(0, std::memcmp(c.data(), first[m].data(), c.size() * 4)) << tab->isa << " type " << t << " m " << m;
+        if (m == 50)
+          for (int64_t r : {0, 7, 49}) {
+            std::vector<float> one(n);
+            tab->qdgemm(one.data(), &a[r * k], packed.data(), t, bias.data(), 1, n, k, k, n);
+            ASSERT_EQ(0, std::memcmp(one.data(), &c[r * (n + 3)], n * 4)) << tab->isa << " type " << t << " row " << r;
+          }
+      }
+    }
+    ASSERT_EQ(tables.back()->qdpacked_bytes(8, n, 96), -1);  // Q8_0: 8-bit codes, float path only
+  }
 }
 
 std::string name_of(const ::testing::TestParamInfo<const KernelTable*>& info) { return info.param->isa; }

@@ -8,7 +8,7 @@ import torch
 
 from cpuserve import _C
 from cpuserve.loading.quant_tensor import Q4_ZP, QTYPES, QuantTensor, cat_rows
-from cpuserve.model_executor import ops
+from cpuserve.model_executor import ops, ops_ref
 
 ISAS = _C.available_isas()
 TYPES = [name for name, _, _ in QTYPES.values()]
@@ -126,3 +126,46 @@ def test_clear_errors():
         ops.KERNELS.qpacked_bytes(10, 32, 256)  # Q2_K: not kept in blocks (widened at load)
     with pytest.raises(IndexError, match="out of range"):
         ops.dequantized_rows(ops.QuantWeight(qt), torch.tensor([32]))
+
+
+DOT_TYPES = [name for t, (name, _, _) in QTYPES.items() if t in ops.INT8_DOT_QTYPES]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", DOT_TYPES)
+def test_int8_dot_linear_equals_reference(isa, qtype):
+    """--quantized-activations int8: the activations quantized per group (ops_ref.quantize_groups),
+    the weights exactly the float path's; equal to the float64 reference up to float32 rounding,
+    the same bits at every batch size, and embedding rows equal to the float path's."""
+    k = _C.Kernels(isa)
+    n, kdim = 100, 512
+    qt = random_blocks(qtype, n, kdim, seed=len(qtype) + 7)
+    ref_w = qt.dequantize()
+    w = ops.QuantWeight(qt, k=k, int8_dot=True)
+    assert w.int8_dot and w.type_name.endswith(" x int8")
+    ids = torch.randperm(n)
+    assert torch.equal(ops.dequantized_rows(w, ids, k=k), ref_w[ids])
+    group = 16 if qtype == "Q6_K" else 32
+    bias = torch.randn(n)
+    for m in (1, 3, 4, 5, 64):
+        x = torch.randn(m, kdim)
+        x[0, :group] = 0.0  # a group of zeros
+        got = ops.linear(x, w, bias, k=k)
+        want = ops_ref.int8_dot_linear(x, ref_w, group, bias)
+        q, s = ops_ref.quantize_groups(x, group)
+        scale = float(((q.abs().reshape(m, -1, group) * s.unsqueeze(2)).reshape(m, kdim) @ ref_w.abs().T).max())
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * scale)
+        assert torch.equal(got[-1:], ops.linear(x[-1:].clone(), w, bias, k=k))
+
+
+def test_int8_dot_is_chosen_within_quantized_activations_only():
+    q41, q80 = random_blocks("Q4_1", 64, 64), random_blocks("Q8_0", 64, 64)
+    assert not ops.pack(q41, torch.float32).int8_dot
+    with ops.quantized_activations("int8"):
+        w41, w80 = ops.pack(q41, torch.float32), ops.pack(q80, torch.float32)
+    assert w41.int8_dot and not w80.int8_dot  # 8-bit codes stay on the float path
+    assert ops.storage_name(w41) == "Q4_1 x int8"
+    assert w41.nbytes <= q41.nbytes * 1.2  # 4-bit codes stay nibbles: + float32 scale and offset a group
+    with pytest.raises(ValueError, match="none or int8"):
+        with ops.quantized_activations("fp8"):
+            pass

@@ -28,10 +28,12 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 class CpuServe:
     def __init__(self, model: str, dtype: str):
-        """dtype "gguf": the GGUF's blocks as they are (float32 activations); else every weight widened."""
+        """dtype "gguf": the GGUF's blocks as they are (float32 activations; "gguf-int8": int8 dot products on
+        activations quantized per block); else every weight widened."""
         from cpuserve import LLM, SamplingParams
-        quant = "gguf" if dtype == "gguf" else "none"
-        self.llm = LLM(model, dtype="float32" if dtype == "gguf" else dtype, quantization=quant, kv_cache_space=4.0,
+        gguf = dtype.startswith("gguf")
+        self.llm = LLM(model, dtype="float32" if gguf else dtype, quantization="gguf" if gguf else "none",
+                       quantized_activations="int8" if dtype == "gguf-int8" else "none", kv_cache_space=4.0,
                        max_num_batched_tokens=LONG)
         self.sp = SamplingParams
 
@@ -77,7 +79,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("engine", choices=["cpuserve", "vllm", "transformers"])
     ap.add_argument("model")
-    ap.add_argument("dtype", choices=["float32", "bfloat16", "gguf"])
+    ap.add_argument("dtype", choices=["float32", "bfloat16", "gguf", "gguf-int8"])
     ap.add_argument("--skip-prefill", action="store_true")
     a = ap.parse_args()
     eng = {"cpuserve": CpuServe, "vllm": Vllm, "transformers": Transformers}[a.engine](a.model, a.dtype)

@@ -141,8 +141,9 @@ def free_port() -> int:
 
 
 def server_cmd(engine: str, dtype: str, port: int, hf_dir: Path, gguf: Path) -> tuple[list[str], dict]:
-    if engine == "cpuserve":  # dtype "gguf": the blocks as they are, else widened to dtype
-        quant = ["--quantization", "gguf"] if dtype == "gguf" else ["--dtype", dtype, "--quantization", "none"]
+    if engine == "cpuserve":  # dtype "gguf": the blocks as they are ("gguf-int8": with int8 activations), else widened
+        quant = ["--quantization", "gguf"] if dtype.startswith("gguf") else ["--dtype", dtype, "--quantization", "none"]
+        quant += ["--quantized-activations", "int8"] if dtype == "gguf-int8" else []
         return ([sys.executable, "-m", "cpuserve", "serve", "--host", "127.0.0.1", "--port", str(port)] + quant,
                 dict(os.environ))
     if engine == "vllm":
@@ -255,8 +256,12 @@ def main() -> None:
     for kind, f in llama_files(gguf).items():
         if kind != "F32":
             run("offline", f"cpuserve {kind}", lambda: repeated(lambda: python_offline("cpuserve", "gguf", f)))
+        if kind not in ("F32", "Q8_0"):  # the int8-dot GEMM takes codes of at most 6 bits
+            run("offline", f"cpuserve int8-act {kind}",
+                lambda: repeated(lambda: python_offline("cpuserve", "gguf-int8", f)))
         run("offline", f"llama.cpp {kind}", lambda: repeated(lambda: llama_offline(f)))
-    for name, engine, dtype in (("cpuserve Q4_1", "cpuserve", "gguf"), ("cpuserve float32", "cpuserve", "float32"),
+    for name, engine, dtype in (("cpuserve Q4_1", "cpuserve", "gguf"), ("cpuserve int8-act Q4_1", "cpuserve", "gguf-int8"),
+                                ("cpuserve float32", "cpuserve", "float32"),
                                 ("vLLM float32", "vllm", "float32"), ("llama.cpp Q4_1", "llama", "Q4_1")):
         run("serving", name, lambda: serve(engine, dtype, hf_dir, gguf))
     from cpuserve.entrypoints import bench
@@ -293,11 +298,13 @@ def report(res: dict) -> None:
         if "error" in r:
             lines.append(f"| {name} | failed: {r['error'][:200]} | | | | | |")
             continue
-        ours = off.get(counterpart(name), {})
-        rat = " / ".join(ratio(ours.get(k), r.get(k), k) for k in ("offline_tok_s", "batch1_ms", "prefill_2048_s"))
+        ours, theirs = off.get(counterpart(name), {}), r
+        if " int8-act " in name:  # against llama.cpp on the same file (which always quantizes activations)
+            ours, theirs = r, off.get(f"llama.cpp {name.split()[-1]}", {})
+        rat = " / ".join(ratio(ours.get(k), theirs.get(k), k) for k in ("offline_tok_s", "batch1_ms", "prefill_2048_s"))
         lines.append(f"| {name} | {fmt(r.get('offline_tok_s'))} | {fmt(r.get('batch1_ms'), 2)} | "
                      f"{fmt(r.get('prefill_2048_s'), 2)} | {fmt(r.get('ready_s'), 1)} | {fmt(r.get('peak_rss_mib'), 0)} | "
-                     f"{'' if name.startswith('cpuserve') else rat} |")
+                     f"{rat if not name.startswith('cpuserve') or ' int8-act ' in name else ''} |")
     lines += ["", "Serving (`serving.py`'s client: 128-token prompts of random ids, 128 greedy output tokens, C "
               "concurrent streams back to back, a new connection per request; vLLM's OpenAI server and "
               "`llama-server --parallel 16`):", "",

@@ -32,7 +32,8 @@ struct KernelTable {
                        int64_t out_stride);
   void (*gelu_and_mul)(float* out, const float* x, int64_t tokens, int64_t d, int64_t x_stride,
                        int64_t out_stride, bool tanh_approx);
-  // k_cache/v_cache [num_blocks, Hk, block_size, D] of cache_dtype; slot -1 is skipped.
+  // k_cache [num_blocks, Hk, D, block_size] (keys transposed in each block), v_cache
+  // [num_blocks, Hk, block_size, D], of cache_dtype; slot -1 is skipped.
   // The cache holds key / k_scale and value / v_scale (float8's per-tensor scales; 1 otherwise).
   void (*reshape_and_cache)(const float* key, const float* value, void* k_cache, void* v_cache,
                             DType cache_dtype, const int64_t* slot_mapping, int64_t tokens,

@@ -56,7 +56,7 @@ class NativeDecoder:
                 _ptr(qn.weight if qn else None), _ptr(kn.weight if kn else None), a.num_heads, a.num_kv_heads,
                 a.head_dim, a.group or a.num_heads // a.num_kv_heads, a.q_head_offset, a.scale, a.sliding_window,
                 a.softcap, r.cos_sin.data_ptr(), r.cos_sin.shape[1], r.neox, a.k_cache.data_ptr(),
-                a.v_cache.data_ptr(), ops.DTYPE_CODES[a.k_cache.dtype], a.k_cache.shape[2], a.k_scale, a.v_scale)
+                a.v_cache.data_ptr(), ops.DTYPE_CODES[a.k_cache.dtype], a.v_cache.shape[2], a.k_scale, a.v_scale)
 
     @staticmethod
     def applies(model) -> bool:

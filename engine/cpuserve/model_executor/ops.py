@@ -94,13 +94,29 @@ def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh", k=KERNELS) -> torch
     return out
 
 
+def cache_shapes(blocks: int, kv_heads: int, block_size: int, head_dim: int) -> tuple[tuple, tuple]:
+    """The key cache's and the value cache's shapes: keys transposed in each block (head_dim-major,
+    as vLLM's CPU backend keeps them), values token-major."""
+    return (blocks, kv_heads, head_dim, block_size), (blocks, kv_heads, block_size, head_dim)
+
+
+def _cache_dims(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    nb, hk, bs, d = v_cache.shape
+    if tuple(k_cache.shape) != cache_shapes(nb, hk, bs, d)[0] or k_cache.dtype != v_cache.dtype \
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"caches must be contiguous, of one dtype, k_cache {cache_shapes(nb, hk, bs, d)[0]} for "
+                         f"v_cache {tuple(v_cache.shape)}; got k_cache {tuple(k_cache.shape)}")
+    return hk, bs, d
+
+
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0, k=KERNELS) -> None:
-    """key/value: [T, Hk*D] float32 (rows may be strided); caches [blocks, Hk, block_size, D]
-    holding key / k_scale and value / v_scale (a float8 cache's per-tensor scales)."""
+    """key/value: [T, Hk*D] float32 (rows may be strided); k_cache [blocks, Hk, D, block_size]
+    (keys transposed in each block), v_cache [blocks, Hk, block_size, D], holding key / k_scale
+    and value / v_scale (a float8 cache's per-tensor scales)."""
     _f32(key, "key")
     _f32(value, "value")
-    _, hk, bs, d = k_cache.shape
+    hk, bs, d = _cache_dims(k_cache, v_cache)
     k.reshape_and_cache(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                         _dtype_code(k_cache.dtype), slot_mapping.data_ptr(), key.shape[0], hk, d, bs,
                         key.stride(0), value.stride(0), k_scale, v_scale)
@@ -114,7 +130,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: [T, Hq*D] float32 -> out [T, Hq*D] float32. Query head i uses kv head
     (i + q_head_offset) // group; group defaults to Hq / Hk (plain GQA)."""
     _f32(q, "q")
-    _, hk, bs, d = k_cache.shape
+    hk, bs, d = _cache_dims(k_cache, v_cache)
     if group is None:
         if num_heads % hk:
             raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads ({hk})")

@@ -57,12 +57,13 @@ def to_cache(x, dtype, scale=1.0):
 
 
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
-    _, hk, bs, d = k_cache.shape
+    """k_cache [blocks, Hk, D, block_size] (keys transposed in each block), v_cache [blocks, Hk, block_size, D]."""
+    _, hk, bs, d = v_cache.shape
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
         b, off = divmod(slot, bs)
-        k_cache[b, :, off] = to_cache(key[t].view(hk, d), k_cache.dtype, k_scale)
+        k_cache[b, :, :, off] = to_cache(key[t].view(hk, d), k_cache.dtype, k_scale)
         v_cache[b, :, off] = to_cache(value[t].view(hk, d), v_cache.dtype, v_scale)
 
 
@@ -70,7 +71,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
                     sliding_window=0, softcap=0.0, group=None, q_head_offset=0, k_scale=1.0, v_scale=1.0):
     """Gathers each sequence's keys/values from the cache and runs masked softmax attention;
     query head i uses kv head (i + q_head_offset) // group."""
-    _, hk, bs, d = k_cache.shape
+    _, hk, bs, d = v_cache.shape
     group = group or num_heads // hk
     kv_of = torch.tensor([(i + q_head_offset) // group for i in range(num_heads)])
     out = torch.empty(q.shape[0], num_heads * d)
@@ -79,7 +80,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         q0, q1 = int(query_start_loc[s]), int(query_start_loc[s + 1])
         nblk = math.ceil(ctx / bs)
         blocks = block_tables[s, :nblk].long()
-        keys = k_cache[blocks].double().permute(1, 0, 2, 3).reshape(hk, nblk * bs, d)[:, :ctx] * k_scale
+        keys = k_cache[blocks].double().permute(1, 0, 3, 2).reshape(hk, nblk * bs, d)[:, :ctx] * k_scale
         vals = v_cache[blocks].double().permute(1, 0, 2, 3).reshape(hk, nblk * bs, d)[:, :ctx] * v_scale
         keys, vals = keys[kv_of], vals[kv_of]
         qs = q[q0:q1].view(q1 - q0, num_heads, d).double().transpose(0, 1)  # [H, L, D]

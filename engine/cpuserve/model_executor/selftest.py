@@ -54,8 +54,8 @@ def _elementwise(k) -> list[tuple[str, str, float, float]]:
 
 def _attention(k, dtype: torch.dtype) -> list[tuple[str, str, float, float]]:
     hk, group, d, bs, nblocks = 2, 3, 64, 16, 12
-    kc = torch.zeros(nblocks, hk, bs, d, dtype=dtype)
-    vc = torch.zeros_like(kc)
+    k_shape, v_shape = ops.cache_shapes(nblocks, hk, bs, d)
+    kc, vc = torch.zeros(k_shape, dtype=dtype), torch.zeros(v_shape, dtype=dtype)
     kr, vr = kc.clone(), vc.clone()
     ctx, t = 37, 37
     key, value = torch.randn(t, hk * d), torch.randn(t, hk * d)

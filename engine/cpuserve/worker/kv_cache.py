@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from cpuserve.config import DEFAULT_KV_CACHE_GIB, GiB, EngineConfig
+from cpuserve.model_executor import ops
 from cpuserve.model_executor.parallel import TPGroup
 
 
@@ -153,6 +154,7 @@ def allocate(layers, blocks: int, block_size: int, kv_dtype: torch.dtype) -> tor
     Pages are touched as blocks fill, so memory is committed as it is used."""
     a = layers[0]
     cache = torch.empty((len(layers), 2, blocks, a.num_kv_heads, block_size, a.head_dim), dtype=kv_dtype)
-    for i, layer in enumerate(layers):
-        layer.k_cache, layer.v_cache = cache[i, 0], cache[i, 1]
+    k_shape, _ = ops.cache_shapes(blocks, a.num_kv_heads, block_size, a.head_dim)
+    for i, layer in enumerate(layers):  # keys transposed in each block (ops.cache_shapes)
+        layer.k_cache, layer.v_cache = cache[i, 0].view(k_shape), cache[i, 1]
     return cache

@@ -39,31 +39,48 @@ inline void convert_to_float(float* dst, const T* src, int64_t n, float scale) {
   for (; i < n; ++i) dst[i] = to_float(src[i]) * scale;
 }
 
-inline float dot(const float* a, const float* b, int64_t d) {
-  VecF acc = VecF::zero();
-  int64_t i = 0;
-  for (; i + VecF::N <= d; i += VecF::N) acc = VecF::fma(VecF::load(a + i), VecF::load(b + i), acc);
-  float s = acc.reduce_sum();
-  for (; i < d; ++i) s = std::fma(a[i], b[i], s);
-  return s;
+// Scores of query vectors qs[0, QB) against key vectors [c, c + KB) of a block whose keys are
+// stored transposed (kt[e * bs + j]): each score is one FMA chain over e = 0..d-1 from zero, so
+// its bits do not depend on the blocking, the tile or the path (decode or prefill).
+template <int QB, int KB>
+inline void scores_micro(const float* const* qs, const float* kt, int64_t bs, int64_t d, int64_t c, float* s) {
+  VecF acc[QB][KB];
+  for (int i = 0; i < QB; ++i)
+    for (int j = 0; j < KB; ++j) acc[i][j] = VecF::zero();
+  const float* kc = kt + c * VecF::N;
+  for (int64_t e = 0; e < d; ++e) {
+    VecF k[KB];
+    for (int j = 0; j < KB; ++j) k[j] = VecF::load(kc + e * bs + j * VecF::N);
+    for (int i = 0; i < QB; ++i) {
+      const VecF qe = VecF::set1(qs[i][e]);
+      for (int j = 0; j < KB; ++j) acc[i][j] = VecF::fma(qe, k[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < QB; ++i)
+    for (int j = 0; j < KB; ++j) acc[i][j].store(s + i * bs + (c + j) * VecF::N);
 }
 
-// Four dot products at once: four independent chains, each the same operations
-// as dot(), so a key's score does not depend on which keys share its group.
-inline void dot4(const float* q, const float* k, int64_t d, float* out) {
-  VecF a0 = VecF::zero(), a1 = VecF::zero(), a2 = VecF::zero(), a3 = VecF::zero();
-  int64_t i = 0;
-  for (; i + VecF::N <= d; i += VecF::N) {
-    const VecF qv = VecF::load(q + i);
-    a0 = VecF::fma(qv, VecF::load(k + i), a0);
-    a1 = VecF::fma(qv, VecF::load(k + d + i), a1);
-    a2 = VecF::fma(qv, VecF::load(k + 2 * d + i), a2);
-    a3 = VecF::fma(qv, VecF::load(k + 3 * d + i), a3);
+// s[i * bs + j] = q_i . k_j for the nq query vectors and the key vectors [c_lo, c_hi] of a block.
+inline void block_scores(const float* const* qs, int64_t nq, const float* kt, int64_t bs, int64_t d, int64_t c_lo,
+                         int64_t c_hi, float* s) {
+  for (int64_t i = 0; i < nq; i += 4) {
+    const float* const* q = qs + i;
+    float* si = s + i * bs;
+    const int64_t qb = std::min<int64_t>(4, nq - i);
+    for (int64_t c = c_lo; c <= c_hi; c += 2) {
+      const bool two = c + 1 <= c_hi;
+      switch (qb * 2 + (two ? 1 : 0)) {
+        case 9: scores_micro<4, 2>(q, kt, bs, d, c, si); break;
+        case 8: scores_micro<4, 1>(q, kt, bs, d, c, si); break;
+        case 7: scores_micro<3, 2>(q, kt, bs, d, c, si); break;
+        case 6: scores_micro<3, 1>(q, kt, bs, d, c, si); break;
+        case 5: scores_micro<2, 2>(q, kt, bs, d, c, si); break;
+        case 4: scores_micro<2, 1>(q, kt, bs, d, c, si); break;
+        case 3: scores_micro<1, 2>(q, kt, bs, d, c, si); break;
+        default: scores_micro<1, 1>(q, kt, bs, d, c, si); break;
+      }
+    }
   }
-  float s[4] = {a0.reduce_sum(), a1.reduce_sum(), a2.reduce_sum(), a3.reduce_sum()};
-  for (; i < d; ++i)
-    for (int j = 0; j < 4; ++j) s[j] = std::fma(q[i], k[j * d + i], s[j]);
-  for (int j = 0; j < 4; ++j) out[j] = s[j];
 }
 
 // acc[0:d] = sum_j p[j] * v[j, 0:d] on top of acc, one FMA chain per element in
@@ -84,6 +101,40 @@ inline void accumulate_values(float* acc, const float* p, const float* v, int64_
   }
   for (int64_t e = dv; e < d; ++e)
     for (int64_t j = 0; j < n; ++j) acc[e] = std::fma(p[j], v[j * d + e], acc[e]);
+}
+
+// accumulate_values for two accumulators over the same keys (two query heads of one row): the
+// same chains, element by element, sharing each value load.
+inline void accumulate_values2(float* acc0, const float* p0, float* acc1, const float* p1, const float* v, int64_t n,
+                               int64_t d) {
+  constexpr int kRegs = 4;
+  const int64_t dv = d / VecF::N * VecF::N;
+  for (int64_t e0 = 0; e0 < dv; e0 += kRegs * VecF::N) {
+    const int nv = static_cast<int>(std::min<int64_t>(kRegs, (dv - e0) / VecF::N));
+    VecF r0[kRegs], r1[kRegs];
+    for (int i = 0; i < nv; ++i) {
+      r0[i] = VecF::load(acc0 + e0 + i * VecF::N);
+      r1[i] = VecF::load(acc1 + e0 + i * VecF::N);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const VecF a = VecF::set1(p0[j]), b = VecF::set1(p1[j]);
+      const float* vr = v + j * d + e0;
+      for (int i = 0; i < nv; ++i) {
+        const VecF x = VecF::load(vr + i * VecF::N);
+        r0[i] = VecF::fma(a, x, r0[i]);
+        r1[i] = VecF::fma(b, x, r1[i]);
+      }
+    }
+    for (int i = 0; i < nv; ++i) {
+      r0[i].store(acc0 + e0 + i * VecF::N);
+      r1[i].store(acc1 + e0 + i * VecF::N);
+    }
+  }
+  for (int64_t e = dv; e < d; ++e)
+    for (int64_t j = 0; j < n; ++j) {
+      acc0[e] = std::fma(p0[j], v[j * d + e], acc0[e]);
+      acc1[e] = std::fma(p1[j], v[j * d + e], acc1[e]);
+    }
 }
 
 template <typename T>
@@ -127,13 +178,16 @@ void paged_attention_t(float* out, const float* q, const T* k_cache, const T* v_
   {
     // Per-thread scratch, sized once for the largest shape seen.
     static thread_local std::vector<float> scratch;
-    const size_t need = static_cast<size_t>(kQTile * group * (d + 2) + bs + (kConvert ? 2 * bs * d : 0));
+    static thread_local std::vector<const float*> qptr;
+    const size_t need = static_cast<size_t>(kQTile * group * (d + 2 + bs) + group * bs + (kConvert ? 2 * bs * d : 0));
     if (scratch.size() < need) scratch.resize(need);
+    if (qptr.size() < static_cast<size_t>(kQTile * group)) qptr.resize(static_cast<size_t>(kQTile * group));
     float* acc = scratch.data();                 // [rows][group][d]
     float* m = acc + kQTile * group * d;         // [rows][group]
     float* l = m + kQTile * group;               // [rows][group]
-    float* sc = l + kQTile * group;              // [bs] scores, then probabilities
-    float* kbuf = sc + bs;                       // [bs][d] keys as float (narrow caches)
+    float* sblk = l + kQTile * group;            // [rows][group][bs] a block's raw scores
+    float* sc = sblk + kQTile * group * bs;      // [group][bs] one row's probabilities
+    float* kbuf = sc + group * bs;               // [d][bs] keys as float (narrow caches)
     float* vbuf = kbuf + bs * d;                 // [bs][d] values as float
 
 #pragma omp for schedule(dynamic, 1)
@@ -152,53 +206,78 @@ void paged_attention_t(float* out, const float* q, const T* k_cache, const T* v_
         l[i] = 0.f;
         std::fill(acc + i * d, acc + (i + 1) * d, 0.f);
       }
+      for (int64_t r = 0; r < w.rows; ++r)
+        for (int64_t g = w.g0; g < w.g1; ++g)
+          qptr[r * ng + (g - w.g0)] = q + (qsl[w.seq] + w.row0 + r) * q_stride + g * d;
       for (int64_t b = lo_key / bs; b * bs <= last_pos; ++b) {
         const int64_t tile = (static_cast<int64_t>(table[b]) * hk + w.kv_head) * bs * d;
         const int64_t base = b * bs;
-        // keys this tile's rows can see in this block
+        // keys this tile's rows can see in this block, and the key vectors holding them
         const int64_t blk_lo = std::max<int64_t>(base, window > 0 ? first_pos - window + 1 : 0) - base;
         const int64_t blk_hi = std::min<int64_t>(base + bs - 1, last_pos) - base;  // inclusive
-        const float* kb;
+        const int64_t c_lo = blk_lo / VecF::N, c_hi = blk_hi / VecF::N;
+        const float* kt;
         const float* vb;
         if constexpr (kConvert) {
-          convert_to_float(kbuf + blk_lo * d, k_cache + tile + blk_lo * d, (blk_hi - blk_lo + 1) * d, k_scale);
+          for (int64_t e = 0; e < d; ++e)
+            convert_to_float(kbuf + e * bs + c_lo * VecF::N, k_cache + tile + e * bs + c_lo * VecF::N,
+                             (c_hi - c_lo + 1) * VecF::N, k_scale);
           convert_to_float(vbuf + blk_lo * d, v_cache + tile + blk_lo * d, (blk_hi - blk_lo + 1) * d, v_scale);
-          kb = kbuf;
+          kt = kbuf;
           vb = vbuf;
         } else {
-          kb = k_cache + tile;
+          kt = k_cache + tile;
           vb = v_cache + tile;
         }
+        block_scores(qptr.data(), w.rows * ng, kt, bs, d, c_lo, c_hi, sblk);
         for (int64_t r = 0; r < w.rows; ++r) {
           const int64_t pos = first_pos + r;
           const int64_t k_lo = std::max<int64_t>(base, window > 0 ? pos - window + 1 : 0);
           const int64_t k_hi = std::min<int64_t>(base + bs - 1, pos);  // inclusive
           if (k_lo > k_hi) continue;
           const int64_t n = k_hi - k_lo + 1;
-          const float* kr = kb + (k_lo - base) * d;
-          const int64_t tok = qsl[w.seq] + w.row0 + r;
-          for (int64_t g = w.g0; g < w.g1; ++g) {
-            const float* qv = q + tok * q_stride + g * d;
-            const int64_t st = r * ng + (g - w.g0);
-            int64_t j = 0;
-            for (; j + 4 <= n; j += 4) dot4(qv, kr + j * d, d, sc + j);
-            for (; j < n; ++j) sc[j] = dot(qv, kr + j * d, d);
+          for (int64_t g = 0; g < ng; ++g) {
+            const int64_t st = r * ng + g;
+            const float* raw = sblk + st * bs + (k_lo - base);
+            float* p = sc + g * bs;
+            // Vector steps in fixed chunks of the key index from k_lo, which depend only on the
+            // row's position: a row gets the same bits on every path.
             float blk_max = -std::numeric_limits<float>::infinity();
-            for (j = 0; j < n; ++j) {
-              float s = sc[j] * scale;
-              if (softcap > 0.f) s = softcap * std::tanh(s / softcap);
-              sc[j] = s;
-              blk_max = std::max(blk_max, s);
+            int64_t j = 0;
+            if (softcap > 0.f) {
+              for (; j < n; ++j) {
+                p[j] = softcap * std::tanh(raw[j] * scale / softcap);
+                blk_max = std::max(blk_max, p[j]);
+              }
+            } else {
+              const VecF vs = VecF::set1(scale);
+              VecF vm = VecF::set1(blk_max);
+              for (; j + VecF::N <= n; j += VecF::N) {
+                const VecF x = VecF::load(raw + j) * vs;
+                x.store(p + j);
+                vm = VecF::max(vm, x);
+              }
+              blk_max = vm.reduce_max();
+              for (; j < n; ++j) {
+                p[j] = raw[j] * scale;
+                blk_max = std::max(blk_max, p[j]);
+              }
             }
             const float m_new = std::max(m[st], blk_max);
             const float alpha = std::exp(m[st] - m_new);  // exp(-inf) = 0 on the first block
-            // probabilities (vector exp in fixed chunks of the key index)
+            // probabilities and their sum
             const VecF vmax = VecF::set1(m_new);
-            j = 0;
-            for (; j + VecF::N <= n; j += VecF::N) (VecF::load(sc + j) - vmax).exp().store(sc + j);
-            for (; j < n; ++j) sc[j] = std::exp(sc[j] - m_new);
-            float psum = 0.f;
-            for (j = 0; j < n; ++j) psum += sc[j];
+            VecF vsum = VecF::zero();
+            for (j = 0; j + VecF::N <= n; j += VecF::N) {
+              const VecF e = (VecF::load(p + j) - vmax).exp();
+              e.store(p + j);
+              vsum = vsum + e;
+            }
+            float psum = vsum.reduce_sum();
+            for (; j < n; ++j) {
+              p[j] = std::exp(p[j] - m_new);
+              psum += p[j];
+            }
             l[st] = l[st] * alpha + psum;
             m[st] = m_new;
             float* a = acc + st * d;
@@ -208,8 +287,13 @@ void paged_attention_t(float* out, const float* q, const T* k_cache, const T* v_
               for (; e + VecF::N <= d; e += VecF::N) (VecF::load(a + e) * va).store(a + e);
               for (; e < d; ++e) a[e] *= alpha;
             }
-            accumulate_values(a, sc, vb + (k_lo - base) * d, n, d);
           }
+          const float* vr = vb + (k_lo - base) * d;
+          int64_t g = 0;
+          for (; g + 2 <= ng; g += 2)
+            accumulate_values2(acc + (r * ng + g) * d, sc + g * bs, acc + (r * ng + g + 1) * d, sc + (g + 1) * bs, vr, n,
+                               d);
+          if (g < ng) accumulate_values(acc + (r * ng + g) * d, sc + g * bs, vr, n, d);
         }
       }
       for (int64_t r = 0; r < w.rows; ++r) {

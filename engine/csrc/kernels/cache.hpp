@@ -1,6 +1,8 @@
 // reshape_and_cache: writes this step's keys and values into their cache slots.
-// Cache layout [num_blocks, num_kv_heads, block_size, head_dim]: one (block, head)
-// is a contiguous block_size x head_dim tile, which is what attention streams.
+// Value cache [num_blocks, num_kv_heads, block_size, head_dim]; key cache transposed in each
+// block, [num_blocks, num_kv_heads, head_dim, block_size] (as vLLM's CPU backend keeps keys
+// head_dim-major): attention's scores are then vector FMAs over a block's keys, one chain
+// over head_dim per key, with no horizontal sums. One (block, head) is a contiguous tile.
 #pragma once
 #include <type_traits>
 #include "../vec/vec.hpp"
@@ -33,8 +35,10 @@ void reshape_and_cache_t(const float* key, const float* value, T* k_cache, T* v_
     const int64_t block = slot / block_size, off = slot % block_size;
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t dst = ((block * heads + h) * block_size + off) * d;
-      convert_row(k_cache + dst, key + t * key_stride + h * d, d, k_inv);
       convert_row(v_cache + dst, value + t * value_stride + h * d, d, v_inv);
+      T* kt = k_cache + (block * heads + h) * d * block_size + off;
+      const float* kr = key + t * key_stride + h * d;
+      for (int64_t e = 0; e < d; ++e) kt[e * block_size] = from_float<T>(k_inv == 1.f ? kr[e] : kr[e] * k_inv);
     }
   }
 }

@@ -78,7 +78,8 @@ def test_reshape_and_cache(kern, dtype, block_size):
     key, value = torch.randn(t, hk * d), torch.randn(t, hk * d)
     slots = torch.randperm(nblocks * block_size)[:t]
     slots[4] = -1  # padding slot: skipped
-    kc, vc = torch.zeros(nblocks, hk, block_size, d, dtype=dtype), torch.zeros(nblocks, hk, block_size, d, dtype=dtype)
+    k_shape, v_shape = ops.cache_shapes(nblocks, hk, block_size, d)
+    kc, vc = torch.zeros(k_shape, dtype=dtype), torch.zeros(v_shape, dtype=dtype)
     kr, vr = kc.clone(), vc.clone()
     ops.reshape_and_cache(key, value, kc, vc, slots, k=kern)
     ref.reshape_and_cache(key, value, kr, vr, slots)
@@ -98,7 +99,8 @@ def test_float8_cache_bytes_equal_torch_casts(kern, dtype, scales):
     key, value = torch.randn(t, hk * d) * 4, torch.randn(t, hk * d) / 50
     key[0, :4] = torch.tensor([float("nan"), 1e9, -1e9, 0.0])
     slots = torch.randperm(4 * bs)[:t]
-    kc, vc = torch.zeros(4, hk, bs, d, dtype=dtype), torch.zeros(4, hk, bs, d, dtype=dtype)
+    k_shape, v_shape = ops.cache_shapes(4, hk, bs, d)
+    kc, vc = torch.zeros(k_shape, dtype=dtype), torch.zeros(v_shape, dtype=dtype)
     kr, vr = kc.clone(), vc.clone()
     ops.reshape_and_cache(key, value, kc, vc, slots, *scales, k=kern)
     ref.reshape_and_cache(key, value, kr, vr, slots, *scales)
@@ -126,8 +128,8 @@ def _attention_case(dtype, block_size, group, head_dim, q_lens, ctx_lens, seed):
     nseq = len(q_lens)
     max_blocks = max(math.ceil(c / block_size) for c in ctx_lens)
     nblocks = nseq * max_blocks + 3
-    kc = torch.randn(nblocks, hk, block_size, head_dim).to(dtype)
-    vc = torch.randn(nblocks, hk, block_size, head_dim).to(dtype)
+    k_shape, v_shape = ops.cache_shapes(nblocks, hk, block_size, head_dim)
+    kc, vc = torch.randn(k_shape).to(dtype), torch.randn(v_shape).to(dtype)
     tables = torch.randperm(nblocks)[: nseq * max_blocks].view(nseq, max_blocks).int()
     qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
     q = torch.randn(int(qsl[-1]), hq * head_dim)

@@ -140,6 +140,23 @@ inline void i8_tile(const I8Rows& A, int mr, int np, int64_t r, int64_t p, const
   }
 }
 
+// The int8 GEMMs' batch schedule. Work items: a block of up to 256 rows (its codes stay in L2)
+// x a group of panels (each panel stays in L1/L2 while every row tile of the block runs over
+// it); tile(mr, r, p) computes rows [r, r + mr) x panel p.
+template <int MR, typename Tile>
+inline void i8_schedule(int64_t m, int64_t panels, const Tile& tile) {
+  constexpr int64_t kMC8 = 256;
+  const int64_t m_blocks = (m + kMC8 - 1) / kMC8;
+  const int64_t per_group = std::max<int64_t>(1, std::min<int64_t>(4, panels * m_blocks / 16));
+  const int64_t groups = (panels + per_group - 1) / per_group;
+#pragma omp parallel for schedule(static) collapse(2)
+  for (int64_t mb = 0; mb < m_blocks; ++mb)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t p = g * per_group; p < std::min(panels, (g + 1) * per_group); ++p)
+        for (int64_t r = mb * kMC8; r < std::min(m, (mb + 1) * kMC8); r += MR)
+          tile(static_cast<int>(std::min<int64_t>(MR, m - r)), r, p);
+}
+
 void i8gemm_impl(float* c, const float* a, const uint8_t* w, const float* bias, int64_t m, int64_t n, int64_t k,
                  int64_t lda, int64_t ldc, bool asym) {
   const int64_t kp = i8_kpad(k), panels = i8_panels(n);
@@ -170,18 +187,9 @@ void i8gemm_impl(float* c, const float* a, const uint8_t* w, const float* bias, 
       }
     return;
   }
-  // Work items: a block of up to kI8MC rows (its codes stay in L2) x a group of panels (each
-  // panel stays in L1/L2 while every row tile of the block runs over it).
-  constexpr int64_t kI8MC = 256;
-  const int64_t m_blocks = (m + kI8MC - 1) / kI8MC;
-  const int64_t per_group = std::max<int64_t>(1, std::min<int64_t>(4, panels * m_blocks / 16));
-  const int64_t groups = (panels + per_group - 1) / per_group;
-#pragma omp parallel for schedule(static) collapse(2)
-  for (int64_t mb = 0; mb < m_blocks; ++mb)
-    for (int64_t g = 0; g < groups; ++g)
-      for (int64_t p = g * per_group; p < std::min(panels, (g + 1) * per_group); ++p)
-        for (int64_t r = mb * kI8MC; r < std::min(m, (mb + 1) * kI8MC); r += kI8MR)
-          i8_tile(A, static_cast<int>(std::min<int64_t>(kI8MR, m - r)), 1, r, p, wq, sums, scales, bias, c, n, ldc);
+  i8_schedule<kI8MR>(m, panels, [&](int mr, int64_t r, int64_t p) {
+    i8_tile(A, mr, 1, r, p, wq, sums, scales, bias, c, n, ldc);
+  });
 }
 
 }  // namespace

@@ -208,17 +208,9 @@ void qd_gemm_t(float* c, const float* a, const uint8_t* w, const float* bias, in
     for (int64_t p = 0; p < panels; ++p) qd_tile<G, NIB>(A, static_cast<int>(m), 0, p, w, ps, bias, c, n, ldc);
     return;
   }
-  // Work items: a block of up to 256 rows (its codes stay in L2) x a group of panels.
-  constexpr int64_t kMC8 = 256;
-  const int64_t m_blocks = (m + kMC8 - 1) / kMC8;
-  const int64_t per_group = std::max<int64_t>(1, std::min<int64_t>(4, panels * m_blocks / 16));
-  const int64_t groups = (panels + per_group - 1) / per_group;
-#pragma omp parallel for schedule(static) collapse(2)
-  for (int64_t mb = 0; mb < m_blocks; ++mb)
-    for (int64_t pg = 0; pg < groups; ++pg)
-      for (int64_t p = pg * per_group; p < std::min(panels, (pg + 1) * per_group); ++p)
-        for (int64_t r = mb * kMC8; r < std::min(m, (mb + 1) * kMC8); r += kQdMR)
-          qd_tile<G, NIB>(A, static_cast<int>(std::min<int64_t>(kQdMR, m - r)), r, p, w, ps, bias, c, n, ldc);
+  i8_schedule<kQdMR>(m, panels, [&](int mr, int64_t r, int64_t p) {
+    qd_tile<G, NIB>(A, mr, r, p, w, ps, bias, c, n, ldc);
+  });
 }
 
 void qdgemm_impl(float* c, const float* a, const uint8_t* w, int t, const float* bias, int64_t m, int64_t n,

@@ -104,19 +104,9 @@ struct VecI8 {
   int32x4_t v;
   using A = int8x16_t;
   static A bcast(int32_t a4) { return vreinterpretq_s8_s32(vdupq_n_s32(a4)); }
-  static VecI8 dot(VecI8 acc, A a, const int8_t* w) {
-    const int8x16_t wv = vld1q_s8(w);
-#ifdef __ARM_FEATURE_DOTPROD
-    return {vdotq_s32(acc.v, wv, a)};
-#else
-    // int16 products, adjacent pairs summed (<= 2 * 128 * 127), then pairs of pairs into int32
-    const int16x8_t lo = vmull_s8(vget_low_s8(wv), vget_low_s8(a));
-    const int16x8_t hi = vmull_s8(vget_high_s8(wv), vget_high_s8(a));
-    return {vpadalq_s16(acc.v, vpaddq_s16(lo, hi))};
-#endif
-  }
-  // Unsigned weight codes (at most 63, so also valid int8) times signed activations
-  // (kernels/qdot.hpp): lane l += sum_j w[4l + j] * a[j].
+  static VecI8 dot(VecI8 acc, A a, const int8_t* w) { return dotu(acc, loadw(reinterpret_cast<const uint8_t*>(w)), a); }
+  // Weight bytes as int8 (codes of at most 63 for kernels/qdot.hpp, any int8 for dot()) times
+  // signed activations: lane l += sum_j w[4l + j] * a[j].
   using W = uint8x16_t;
   static W loadw(const uint8_t* p) { return vld1q_u8(p); }
   static void nibbles(W x, W& lo, W& hi) { lo = vandq_u8(x, vdupq_n_u8(15)); hi = vshrq_n_u8(x, 4); }
@@ -126,6 +116,7 @@ struct VecI8 {
 #ifdef __ARM_FEATURE_DOTPROD
     return {vdotq_s32(acc.v, wv, a)};
 #else
+    // int16 products, adjacent pairs summed (<= 2 * 128 * 127), then pairs of pairs into int32
     const int16x8_t lo = vmull_s8(vget_low_s8(wv), vget_low_s8(a));
     const int16x8_t hi = vmull_s8(vget_high_s8(wv), vget_high_s8(a));
     return {vpadalq_s16(acc.v, vpaddq_s16(lo, hi))};

@@ -83,14 +83,9 @@ struct VecI8 {
   using A = __vector signed char;
   static A bcast(int32_t a4) { return reinterpret_cast<__vector signed char>(vec_splats(a4)); }
   // even and odd byte products (int16, k0+k1 and k2+k3 per column fit), then their halves.
-  static VecI8 dot(VecI8 acc, A a, const int8_t* w) {
-    const __vector signed char wv = vec_xl(0, reinterpret_cast<const signed char*>(w));
-    const __vector signed short s = vec_mule(wv, a) + vec_mulo(wv, a);
-    const __vector signed short one = vec_splats(static_cast<short>(1));
-    return {acc.v + vec_mule(s, one) + vec_mulo(s, one)};
-  }
-  // Unsigned weight codes (at most 63, so also valid int8) times signed activations
-  // (kernels/qdot.hpp): lane l += sum_j w[4l + j] * a[j].
+  static VecI8 dot(VecI8 acc, A a, const int8_t* w) { return dotu(acc, loadw(reinterpret_cast<const uint8_t*>(w)), a); }
+  // Weight bytes as int8 (codes of at most 63 for kernels/qdot.hpp, any int8 for dot()) times
+  // signed activations: lane l += sum_j w[4l + j] * a[j].
   using W = __vector unsigned char;
   static W loadw(const uint8_t* p) { return vec_xl(0, p); }
   static void nibbles(W x, W& lo, W& hi) {

@@ -3,14 +3,12 @@ their input quantized per block of 32 (kernels/qdot.hpp, llama.cpp's scheme), th
 LM head stays on the float path. The stated tolerance, on a fixed text of 108 tokens: mean NLL
 4.302 (float32 activations) -> 4.293, top-1 agreement 96%; here: at most +0.05 and 90%."""
 import pytest
-import torch
 
 from cpuserve import LLM, SamplingParams
 from cpuserve.config import EngineConfig
-from cpuserve.model_executor import native_step
 from cpuserve.worker.model_runner import storage_summary
 from tests.engine.engine.test_batch_invariance import TEXT
-from tests.engine.loading.test_hf_quant import nll
+from tests.engine.loading.test_hf_quant import assert_native_step_equals_python_and_answers, nll
 
 MiB = 2 ** 20
 
@@ -34,16 +32,7 @@ def test_close_to_float_activations_on_a_fixed_text(llm_i8, llm_f32):
     got, want = runner.logits_for(ids), llm_f32.engine.runner.logits_for(ids)
     assert nll(got, ids) < nll(want, ids) + 0.05
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
-    # the native decoder stack runs the same int8-dot GEMM as the Python layers: the same bits
-    assert getattr(runner.model, "_native", None) is not None
-    native_step.ENABLED = False
-    try:
-        assert torch.equal(runner.logits_for(ids), got)
-    finally:
-        native_step.ENABLED = True
-    out = llm_i8.chat([{"role": "user", "content": "What is the capital of France?"}],
-                      SamplingParams(temperature=0, max_tokens=12))
-    assert "Paris" in out[0].outputs[0].text
+    assert_native_step_equals_python_and_answers(llm_i8, ids, got)
 
 
 def test_batched_greedy_equals_alone(llm_i8):

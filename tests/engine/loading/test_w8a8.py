@@ -9,15 +9,14 @@ import os
 import pytest
 import torch
 
-from cpuserve import LLM, SamplingParams
+from cpuserve import LLM
 from cpuserve.entrypoints.quantize import quantize, w8a8_config
 from cpuserve.loading.hf_quant import QuantizedCheckpoint, quant_config
 from cpuserve.loading.model_loader import LazyTensors, checkpoint_quantization, resolve
 from cpuserve.loading.quant_tensor import Int8Tensor
-from cpuserve.model_executor import native_step
 from cpuserve.worker.model_runner import storage_summary
 from tests.engine.engine.test_batch_invariance import TEXT
-from tests.engine.loading.test_hf_quant import nll
+from tests.engine.loading.test_hf_quant import assert_native_step_equals_python_and_answers, nll
 
 CASES = {"symmetric": (False, 0.15), "zero-point": (True, 0.05)}  # act_asym, allowed NLL rise
 
@@ -54,16 +53,7 @@ def test_engine_runs_w8a8_close_to_the_float_model(checkpoint, llm_f32):
     got, want = runner.logits_for(ids), llm_f32.engine.runner.logits_for(ids)
     assert nll(got, ids) < nll(want, ids) + CASES[name][1]
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
-    # the native decoder stack runs the same int8 GEMM as the Python layers: the same bits
-    assert getattr(runner.model, "_native", None) is not None
-    native_step.ENABLED = False
-    try:
-        assert torch.equal(runner.logits_for(ids), got)
-    finally:
-        native_step.ENABLED = True
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0, max_tokens=12))
-    assert "Paris" in out[0].outputs[0].text
+    assert_native_step_equals_python_and_answers(llm, ids, got)
 
 
 def test_unsupported_schemes_are_refused(tmp_path):

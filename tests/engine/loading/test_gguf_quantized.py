@@ -77,10 +77,12 @@ def _load_peak(quantization: str) -> dict:
 def test_no_float32_copy_of_the_weights_at_load_not_even_for_a_moment():
     resolve(None)  # the metadata conversion, once, outside the measured process
     kept, widened = _load_peak("auto"), _load_peak("none")
-    # peak growth while loading: the blocks plus at most the largest tensor in flight (the
-    # 30 MB embedding), far from the 540 MB of float32 that widening needs
+    # peak growth while loading: the blocks plus what the engine's start-up allocates besides
+    # (the modules it imports, the tokenizer, the largest tensor in flight: the 30 MB embedding),
+    # measured at 65-87 MiB (it varies from run to run), far from the 540 MB of float32 that
+    # widening needs
     assert kept["weights"] < 100 * MiB
-    assert kept["peak_growth"] < kept["weights"] + 80 * MiB, kept
+    assert kept["peak_growth"] < kept["weights"] + 128 * MiB, kept
     assert widened["peak_growth"] > 500 * MiB, widened
 
 

@@ -247,15 +247,20 @@ def is_packed(w) -> bool:
         and (hasattr(w, "qtype") or hasattr(w, "dtype") or hasattr(w, "act_asym"))
 
 
-# GGUF types whose codes have at most 6 bits: the int8-dot GEMM runs them (Q8_0 stays on the float path)
-INT8_DOT_QTYPES = frozenset({2, 3, 6, 7, 12, 13, 14, 100})
+def int8_dot_supported(qtype: int, k=KERNELS) -> bool:
+    """Whether the int8-dot GEMM runs this block type (codes of at most 6 bits; Q8_0 stays on the
+    float path): the kernels' own answer, for rows of 256 weights (a multiple of every block)."""
+    return k.qdpacked_bytes(qtype, 1, 256) >= 0
+
+
 _ACTIVATIONS = contextvars.ContextVar("quantized_activations", default="none")
 
 
 @contextlib.contextmanager
 def quantized_activations(mode: str):
-    """Within: pack() puts block-quantized weights (GGUF, AWQ, GPTQ) of the INT8_DOT_QTYPES on the
-    int8-dot GEMM when mode is "int8" (--quantized-activations); "none" keeps float32 activations."""
+    """Within: pack() puts block-quantized weights (GGUF, AWQ, GPTQ) on the int8-dot GEMM (where
+    int8_dot_supported) when mode is "int8" (--quantized-activations); "none" keeps float32
+    activations."""
     if mode not in ("none", "int8"):
         raise ValueError(f"quantized activations must be none or int8, got {mode!r}")
     token = _ACTIVATIONS.set(mode)
@@ -274,7 +279,7 @@ def pack(weight, dtype: torch.dtype):
         return PackedWeight(weight.to(dtype))
     if is_int8(weight):
         return Int8Weight(weight)
-    return QuantWeight(weight, int8_dot=_ACTIVATIONS.get() == "int8" and weight.qtype in INT8_DOT_QTYPES)
+    return QuantWeight(weight, int8_dot=_ACTIVATIONS.get() == "int8" and int8_dot_supported(weight.qtype))
 
 
 def storage_name(w) -> str:
@@ -302,8 +307,9 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, out: torch.Tens
             k.i8gemm(o.data_ptr(), x.data_ptr(), p.data.data_ptr(), b, x.shape[0], p.n, p.k, x.stride(0), o.stride(0),
                      p.act_asym)
         elif is_quantized(p):
-            (k.qdgemm if p.int8_dot else k.qgemm)(o.data_ptr(), x.data_ptr(), p.data.data_ptr(), p.qtype, b, x.shape[0], p.n, p.k, x.stride(0),
-                    o.stride(0))
+            run = k.qdgemm if p.int8_dot else k.qgemm
+            run(o.data_ptr(), x.data_ptr(), p.data.data_ptr(), p.qtype, b, x.shape[0], p.n, p.k, x.stride(0),
+                o.stride(0))
         else:
             k.gemm(o.data_ptr(), x.data_ptr(), p.data.data_ptr(), _dtype_code(p.dtype), b, x.shape[0], p.n, p.k,
                    x.stride(0), o.stride(0))

@@ -92,6 +92,28 @@ def _w8a8(k) -> list[tuple[str, str, float, float]]:
     return rows
 
 
+def _random_blocks(qtype: int, n: int, k: int):
+    """Random blocks with finite float16 scales (d, and Q4_1's m, at their offsets)."""
+    from cpuserve.loading.quant_tensor import QTYPES, QuantTensor
+
+    _, block, nbytes = QTYPES[qtype]
+    raw = torch.randint(0, 256, (n * k // block, nbytes), dtype=torch.uint8)
+    for at in {3: (0, 2), 14: (208,)}[qtype]:
+        raw[:, at:at + 2] = (torch.rand(len(raw)) * 0.03 + 1e-3).half().view(torch.uint8).view(-1, 2)
+    return QuantTensor(raw.view(n, -1), qtype, k)
+
+
+def _int8_dot(k) -> list[tuple[str, str, float, float]]:
+    """--quantized-activations int8: Q4_1 and Q6_K blocks against the activations quantized per group."""
+    rows = []
+    for qtype, name, group in ((3, "Q4_1", 32), (14, "Q6_K", 16)):
+        qt = _random_blocks(qtype, 67, 512)
+        x, b = torch.randn(9, 512), torch.randn(67)
+        got = ops.linear(x, ops.QuantWeight(qt, k=k, int8_dot=True), b, k=k)
+        rows.append(("int8_dot_linear", name, _rel_err(got, ref.int8_dot_linear(x, qt.dequantize(), group, b)), 1e-5))
+    return rows
+
+
 def run(isas: list[str] | None = None, seed: int = 0) -> list[Check]:
     from cpuserve.platform.isa import supported_dtypes
 
@@ -99,7 +121,7 @@ def run(isas: list[str] | None = None, seed: int = 0) -> list[Check]:
     for isa in isas or _C.available_isas():
         torch.manual_seed(seed)
         k = _C.Kernels(isa)
-        rows = _elementwise(k) + _w8a8(k)
+        rows = _elementwise(k) + _w8a8(k) + _int8_dot(k)
         for dtype in supported_dtypes():
             rows += _attention(k, dtype)
             rows.append(_linear(k, dtype))

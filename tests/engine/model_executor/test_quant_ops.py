@@ -128,7 +128,7 @@ def test_clear_errors():
         ops.dequantized_rows(ops.QuantWeight(qt), torch.tensor([32]))
 
 
-DOT_TYPES = [name for t, (name, _, _) in QTYPES.items() if t in ops.INT8_DOT_QTYPES]
+DOT_TYPES = [name for t, (name, _, _) in QTYPES.items() if ops.int8_dot_supported(t)]
 
 
 @pytest.mark.parametrize("isa", ISAS)

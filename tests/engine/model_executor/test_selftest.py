@@ -12,7 +12,7 @@ def test_every_kernel_on_every_isa_passes():
     checks = selftest.run()
     assert {c.isa for c in checks} == set(_C.available_isas())
     assert {c.kernel for c in checks} == {"rms_norm", "silu_and_mul", "rotary", "reshape_and_cache",
-                                          "paged_attention", "linear", "w8a8_linear"}
+                                          "paged_attention", "linear", "w8a8_linear", "int8_dot_linear"}
     assert all(c.ok for c in checks), selftest.format_checks(checks)
 
 

@@ -208,9 +208,30 @@ OFFLINE_KEYS = ("offline_tok_s", "batch1_ms", "prefill_2048_s", "peak_rss_mib", 
 HIGHER_IS_BETTER = {"offline_tok_s", "tok_s"}
 
 
+_PROBE: list = []
+
+
+def read_gbs() -> float:
+    """The machine's read bandwidth now (bench.read_bandwidth on one buffer kept for the run): a
+    shared machine's bandwidth moves with its neighbours' load, by up to 2x from minute to minute."""
+    import torch
+
+    from cpuserve.entrypoints import bench
+    from cpuserve.model_executor import ops
+    if not _PROBE:
+        _PROBE.append(torch.rand((1 << 30) // 4))
+    x = _PROBE[0]
+    return x.numel() * 4 / bench._best(lambda: ops.read_sum(x), 10) / 1e9
+
+
 def repeated(fn, n: int = REPEATS) -> dict:
-    """{key: [min, median]} over n runs of fn (a dict of figures)."""
-    runs = [fn() for _ in range(n)]
+    """{key: [min, median]} over n runs of fn (a dict of figures), each with the read bandwidth
+    probed just before and after it (the better of the two: what the machine offered meanwhile)."""
+    def probed() -> dict:
+        before = read_gbs()
+        r = fn()
+        return {**r, "read_gbs": max(before, read_gbs())}
+    runs = [probed() for _ in range(n)]
     return {k: [min(r[k] for r in runs), statistics.median(r[k] for r in runs)] for k in runs[0]
             if all(isinstance(r.get(k), (int, float)) for r in runs)}
 
@@ -325,12 +346,15 @@ def report(res: dict) -> None:
         from cpuserve.entrypoints import bench
         mm = roof["machine"]
         lines += ["", "## Roofline", "", "```", bench.format_report(roof), "```", "",
-                  "Each system's batch-1 decode against the bandwidth bound of the bytes it reads per token, and "
+                  "Each system's batch-1 decode against the bandwidth bound of the bytes it reads per token at the "
+                  "read bandwidth probed just before and after its runs (median over the runs; this machine's "
+                  "bandwidth moves with its neighbours' load), and "
                   "its offline throughput as GFLOP/s (2 x 134M params a token) against the best GEMM peak measured "
                   f"here, torch's or ours, any dtype "
                   f"({max(*mm['kernel_gflops'].values(), *mm['torch_gflops'].values()):.0f} GFLOP/s):", "",
-                  "| system | bytes read per token (MiB) | batch-1 of its bound | offline GFLOP/s | of the peak |",
-                  "|---|---|---|---|---|"]
+                  "| system | bytes read per token (MiB) | read GB/s alongside | batch-1 of its bound | "
+                  "offline GFLOP/s | of the peak |",
+                  "|---|---|---|---|---|---|"]
         params = next(iter(roof["engines"].values()))["params"]
         peak = max(*mm["kernel_gflops"].values(), *mm["torch_gflops"].values())
         for name, r in off.items():
@@ -338,8 +362,10 @@ def report(res: dict) -> None:
                 continue
             nbytes = weight_bytes(name, roof)
             gflops = r["offline_tok_s"][1] * 2 * params / 1e9
-            bound_ms = nbytes / (mm["read_gbs"] * 1e9) * 1e3
-            lines.append(f"| {name} | {nbytes / 2**20:.0f} | {100 * bound_ms / r['batch1_ms'][1]:.0f}% | {gflops:.0f} | "
+            gbs = r.get("read_gbs", [0, mm["read_gbs"]])[1]
+            bound_ms = nbytes / (gbs * 1e9) * 1e3
+            lines.append(f"| {name} | {nbytes / 2**20:.0f} | {gbs:.1f} | {100 * bound_ms / r['batch1_ms'][1]:.0f}% | "
+                         f"{gflops:.0f} | "
                          f"{100 * gflops / peak:.0f}% |")
     lines.append("")
     (OUT / "PEERS.md").write_text("\n".join(lines))

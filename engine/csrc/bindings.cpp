@@ -267,5 +267,7 @@ PYBIND11_MODULE(_C, m) {
                         int64_t kk) {
              qdot_checked(qt, kk);
              k.t->qdrows(ptr<float>(out), ptr<const uint8_t>(w), qt, ptr<const int64_t>(ids), count, kk);
-           }, G());
+           }, G())
+      .def("read_sum", [](const Kernels& k, uintptr_t x, int64_t n) { return k.t->read_sum(ptr<const float>(x), n); },
+           G());
 }

@@ -11,6 +11,7 @@
 #include "kernels/qdot.hpp"
 #include "kernels/quant.hpp"
 #include "kernels/rotary.hpp"
+#include "kernels/stream.hpp"
 
 #ifndef CPUSERVE_TABLE_FN
 #error "CPUSERVE_TABLE_FN must name the table function (e.g. table_avx2)"
@@ -43,6 +44,7 @@ const KernelTable* CPUSERVE_TABLE_FN() {
       &qdpack_impl,
       &qdgemm_impl,
       &qdrows_impl,
+      &read_sum_impl,
   };
   return &table;
 }

@@ -80,6 +80,8 @@ struct KernelTable {
   void (*qdgemm)(float* c, const float* a, const uint8_t* w, int qtype, const float* bias, int64_t m,
                  int64_t n, int64_t k, int64_t lda, int64_t ldc);
   void (*qdrows)(float* out, const uint8_t* w, int qtype, const int64_t* ids, int64_t count, int64_t k);
+  // The sum of x[0, n), every thread streaming its share (kernels/stream.hpp: the bandwidth probe).
+  float (*read_sum)(const float* x, int64_t n);
 };
 
 // Every ISA name, best first: a CPU with a variant (avx512_bf16 = avx512_vnni + bf16 pair dot

@@ -1,7 +1,7 @@
 """`cpuserve bench`: where a model sits on this machine's roofline, and where a decode step's
 time goes.
 
-- The machine: read bandwidth (a multi-threaded sum over 1 GiB), and GEMM GFLOP/s: torch's on
+- The machine: read bandwidth (the native multi-threaded streaming sum, ops.read_sum, over 1 GiB), and GEMM GFLOP/s: torch's on
   2048^3 and this engine's kernel on the model's own shape ([64, hidden] x [hidden, ffn]), in
   float32 and with bfloat16 weights.
 - The bounds: batch-1 decode streams every weight once per token, so it takes at least
@@ -46,9 +46,13 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
-def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
-    return x.numel() * 4 / _best(lambda: x.sum(), repeats) / GB
+def read_bandwidth(gib: float = 1.0, repeats: int = 10) -> float:
+    """GB/s of the best of `repeats` native streaming reads (ops.read_sum, every thread on its
+    share) of a buffer far larger than the caches."""
+    from cpuserve.model_executor import ops
+
+    x = torch.rand(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    return x.numel() * 4 / _best(lambda: ops.read_sum(x), repeats) / GB
 
 
 def torch_gemm_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:

@@ -47,6 +47,15 @@ def _dtype_code(dtype: torch.dtype) -> int:
         raise TypeError(f"unsupported storage dtype {dtype}; use float32, bfloat16 or float16") from None
 
 
+def read_sum(x: torch.Tensor, k=KERNELS) -> float:
+    """The sum of a contiguous float32 tensor, every thread streaming its share with vector loads:
+    the bandwidth probe of `cpuserve bench` (the way the decode GEMV reads its weights)."""
+    _f32(x, "x")
+    if not x.is_contiguous():
+        raise ValueError("read_sum: x must be contiguous")
+    return k.read_sum(x.data_ptr(), x.numel())
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
              k=KERNELS) -> torch.Tensor:
     """out = x / rms(x) * weight over the last dimension (x: [rows, dim])."""

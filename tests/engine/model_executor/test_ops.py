@@ -208,6 +208,16 @@ def test_gemm_rows_independent_of_batch(kern):
     assert torch.equal(ops.linear(x[10:23], w, k=kern), full[10:23])
 
 
+@pytest.mark.parametrize("n", [0, 1, 63, 64 * 5 + 17, 1 << 20])
+def test_read_sum(kern, n):
+    """The bandwidth probe's streaming sum: torch's sum, up to float32 rounding of n terms."""
+    x = torch.rand(n) - 0.25
+    want = float(x.double().sum())
+    assert abs(ops.read_sum(x, k=kern) - want) <= 1e-6 * n + 1e-6
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.read_sum(torch.rand(8, 16)[:, :8], k=kern)
+
+
 def test_wrappers_reject_bad_input():
     with pytest.raises(TypeError, match="float32"):
         ops.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)

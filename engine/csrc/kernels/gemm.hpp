@@ -17,6 +17,7 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#include <omp.h>
 #include "../vec/vec.hpp"
 
 namespace cpuserve {
@@ -176,7 +177,6 @@ inline void micro_rows(int mr, const TA* a, int64_t lda, const T* w, int64_t k, 
 template <typename T, typename TA = AOf<T>>
 void gemm_t(float* c, const TA* a, const T* w, const float* bias, int64_t m, int64_t n, int64_t k,
             int64_t lda, int64_t ldc) {
-  constexpr int64_t kc_max = std::is_same_v<T, bf16x2> ? kKC / 2 : kKC;
   const int64_t panels = (n + kNR - 1) / kNR;
   // Row tiles of at most ~kMC rows, as even as possible and multiples of kMR, so
   // that e.g. M = 64 is one tile (each weight panel read once), not 48 + 16.
@@ -184,7 +184,12 @@ void gemm_t(float* c, const TA* a, const T* w, const float* bias, int64_t m, int
   const int64_t mc = ((m + m_tiles - 1) / m_tiles + kMR - 1) / kMR * kMR;
   // Enough panel groups to keep every thread busy, few enough to reuse A from L2.
   int64_t per_group = std::max<int64_t>(1, std::min<int64_t>(8, panels * m_tiles / 64));
-  if (m <= 2) per_group = std::max<int64_t>(4, (per_group + 3) / 4 * 4);
+  // Decode streams the weight once and is bound by memory: one contiguous, equal share of the
+  // panels a thread, each panel's whole K at once (a few panels a group left one thread with
+  // twice the other's bytes on 18-panel layers, and K blocks only broke the streams up).
+  const bool decode = m <= 2;
+  if (decode) per_group = (panels + omp_get_max_threads() - 1) / omp_get_max_threads();
+  const int64_t kc_max = decode ? k : std::is_same_v<T, bf16x2> ? kKC / 2 : kKC;
   const int64_t groups = (panels + per_group - 1) / per_group;
 #pragma omp parallel for schedule(static) collapse(2) if (m * n * k > 32768)
   for (int64_t mt = 0; mt < m_tiles; ++mt) {

@@ -137,6 +137,19 @@ inline void accumulate_values2(float* acc0, const float* p0, float* acc1, const 
     }
 }
 
+// Asks for the next block's key and value tiles while this one is worked on: blocks sit anywhere
+// in the cache, so the hardware prefetchers, which follow streams within a page, cannot.
+template <typename T>
+inline void prefetch_tile(const T* k_cache, const T* v_cache, int64_t tile, int64_t n) {
+  const char* kp = reinterpret_cast<const char*>(k_cache + tile);
+  const char* vp = reinterpret_cast<const char*>(v_cache + tile);
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(T));
+  for (int64_t o = 0; o < bytes; o += 64) {
+    __builtin_prefetch(kp + o);
+    __builtin_prefetch(vp + o);
+  }
+}
+
 template <typename T>
 void paged_attention_t(float* out, const float* q, const T* k_cache, const T* v_cache,
                        const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
@@ -216,6 +229,8 @@ void paged_attention_t(float* out, const float* q, const T* k_cache, const T* v_
         const int64_t blk_lo = std::max<int64_t>(base, window > 0 ? first_pos - window + 1 : 0) - base;
         const int64_t blk_hi = std::min<int64_t>(base + bs - 1, last_pos) - base;  // inclusive
         const int64_t c_lo = blk_lo / VecF::N, c_hi = blk_hi / VecF::N;
+        if ((b + 1) * bs <= last_pos)
+          prefetch_tile(k_cache, v_cache, (static_cast<int64_t>(table[b + 1]) * hk + w.kv_head) * bs * d, bs * d);
         const float* kt;
         const float* vb;
         if constexpr (kConvert) {

@@ -208,20 +208,14 @@ OFFLINE_KEYS = ("offline_tok_s", "batch1_ms", "prefill_2048_s", "peak_rss_mib", 
 HIGHER_IS_BETTER = {"offline_tok_s", "tok_s"}
 
 
-_PROBE: list = []
-
-
 def read_gbs() -> float:
-    """The machine's read bandwidth now (bench.read_bandwidth on one buffer kept for the run): a
-    shared machine's bandwidth moves with its neighbours' load, by up to 2x from minute to minute."""
-    import torch
-
-    from cpuserve.entrypoints import bench
-    from cpuserve.model_executor import ops
-    if not _PROBE:
-        _PROBE.append(torch.rand((1 << 30) // 4))
-    x = _PROBE[0]
-    return x.numel() * 4 / bench._best(lambda: ops.read_sum(x), 10) / 1e9
+    """The machine's read bandwidth now (bench.read_bandwidth; a shared machine's bandwidth moves
+    with its neighbours' load, by up to 2x from minute to minute). In a child process: a buffer
+    held here would count in the peak RSS of every engine started after it (a child's ru_maxrss
+    starts from its parent's RSS at the fork)."""
+    out = subprocess.run([sys.executable, "-c", "from cpuserve.entrypoints import bench; "
+                          "print(bench.read_bandwidth())"], capture_output=True, text=True, check=True, timeout=300)
+    return float(out.stdout.split()[-1])
 
 
 def repeated(fn, n: int = REPEATS) -> dict:

@@ -1,9 +1,9 @@
 """`cpuserve bench`: where a model sits on this machine's roofline, and where a decode step's
 time goes.
 
-- The machine: read bandwidth (the native multi-threaded streaming sum, ops.read_sum, over 1 GiB), and GEMM GFLOP/s: torch's on
-  2048^3 and this engine's kernel on the model's own shape ([64, hidden] x [hidden, ffn]), in
-  float32 and with bfloat16 weights.
+- The machine: read bandwidth (ops.read_sum, the native multi-threaded streaming sum, over 1
+  GiB), and GEMM GFLOP/s: torch's on 2048^3 and this engine's kernel on the model's own shape
+  ([64, hidden] x [hidden, ffn]), in float32 and with bfloat16 weights.
 - The bounds: batch-1 decode streams every weight once per token, so it takes at least
   weight bytes / bandwidth; a large batch is bounded by 2 x params FLOPs per token at the GEMM
   peak. Measured decode (batch 1, and 64 sequences) as a fraction of each bound.

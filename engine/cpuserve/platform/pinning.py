@@ -55,8 +55,20 @@ def describe_binding(report: dict) -> dict:
             "memoryNode": report.get("mem_node") if bound else None, "membind": report.get("membind", "")}
 
 
+_UNPINNED: list[frozenset[int]] = []  # this process's CPUs before pin_process first ran
+
+
+def unpinned_cpus() -> frozenset[int]:
+    """The CPUs this process had before its first binding. A binding leaves the main thread on one
+    CPU (OpenMP thread 0's), so a second engine in the same process (tests, `cpuserve bench`)
+    that planned over the live affinity would get one CPU for all its threads."""
+    return _UNPINNED[0] if _UNPINNED else frozenset(os.sched_getaffinity(0))
+
+
 def pin_process(cpus) -> None:
     """Pins every thread of this process (os.sched_setaffinity only moves the caller)."""
+    if not _UNPINNED:
+        _UNPINNED.append(frozenset(os.sched_getaffinity(0)))
     cpus = set(cpus)
     for tid in os.listdir("/proc/self/task"):
         try:

@@ -49,12 +49,15 @@ def start_rank0(config, model_dir: str):
     """Rank 0's start: plans the binding (unless the API process already did), starts
     ranks 1..N-1, then binds this process. Returns (its TPGroup, its binding report,
     the RankProcesses or None without tensor parallelism)."""
+    import dataclasses
+
     from cpuserve.platform.binding import plan_from_env
-    from cpuserve.platform.pinning import apply_rank_binding, log_plan
+    from cpuserve.platform.pinning import apply_rank_binding, log_plan, unpinned_cpus
     from cpuserve_topology import read_topology
 
     size = config.tensor_parallel_size
     topo = read_topology()
+    topo = dataclasses.replace(topo, allowed_cpus=frozenset(c for c in unpinned_cpus() if c in topo.cpus))
     plan = config.binding or plan_from_env(topo, size)
     if len(plan.ranks) != size:
         raise ValueError(f"the binding plan has {len(plan.ranks)} ranks but tensor_parallel_size is {size}")

@@ -95,3 +95,25 @@ def test_tcmalloc_preload(tmp_path):
     off = {"CPUSERVE_TCMALLOC": "0"}
     assert preload_tcmalloc_for_children(off, dirs=[str(tmp_path)]) is None and "LD_PRELOAD" not in off
     assert preload_tcmalloc_for_children({}, dirs=[str(tmp_path / "none")]) is None
+
+
+TWO_ENGINES = r"""
+import json
+from cpuserve import LLM
+first = LLM(kv_cache_space=0.05).engine.runner.binding.thread_cpus
+second = LLM(kv_cache_space=0.05).engine.runner.binding.thread_cpus
+print("RESULT", json.dumps(dict(first=first, second=second)))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_a_second_engine_in_one_process_gets_every_cpu(tmp_path):
+    """The first binding leaves the main thread on one CPU; the next engine of the same process
+    (tests, `cpuserve bench`) must still plan over all the CPUs the process started with."""
+    p = tmp_path / "two.py"
+    p.write_text(TWO_ENGINES)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), VLLM_CPU_OMP_THREADS_BIND="auto")
+    r = subprocess.run([sys.executable, str(p)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT"))[7:])
+    assert len(got["first"]) >= 2 and got["second"] == got["first"], got

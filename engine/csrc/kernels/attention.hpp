@@ -39,15 +39,23 @@ inline void convert_to_float(float* dst, const T* src, int64_t n, float scale) {
   for (; i < n; ++i) dst[i] = to_float(src[i]) * scale;
 }
 
+// Micro-kernel blocking, sized to the ISA's vector registers: scores of QB query vectors x KB
+// key vectors, value accumulators of R rows x V vectors.
+constexpr int kScoreQB = VecF::kRegs >= 32 ? 6 : 4;
+constexpr int kScoreKB = VecF::kRegs >= 32 ? 4 : 2;
+constexpr int kValueR = VecF::kRegs >= 32 ? 6 : 2;
+constexpr int kValueV = 4;
+
 // Scores of query vectors qs[0, QB) against key vectors [c, c + KB) of a block whose keys are
-// stored transposed (kt[e * bs + j]): each score is one FMA chain over e = 0..d-1 from zero, so
-// its bits do not depend on the blocking, the tile or the path (decode or prefill).
-template <int QB, int KB>
-inline void scores_micro(const float* const* qs, const float* kt, int64_t bs, int64_t d, int64_t c, float* s) {
+// stored transposed (kt[e * bs + j], widened to float in registers): each score is one FMA chain
+// over e = 0..d-1 from zero, so its bits do not depend on the blocking, the tile or the path
+// (decode or prefill).
+template <typename T, int QB, int KB>
+inline void scores_micro(const float* const* qs, const T* kt, int64_t bs, int64_t d, int64_t c, float* s) {
   VecF acc[QB][KB];
   for (int i = 0; i < QB; ++i)
     for (int j = 0; j < KB; ++j) acc[i][j] = VecF::zero();
-  const float* kc = kt + c * VecF::N;
+  const T* kc = kt + c * VecF::N;
   for (int64_t e = 0; e < d; ++e) {
     VecF k[KB];
     for (int j = 0; j < KB; ++j) k[j] = VecF::load(kc + e * bs + j * VecF::N);
@@ -60,81 +68,130 @@ inline void scores_micro(const float* const* qs, const float* kt, int64_t bs, in
     for (int j = 0; j < KB; ++j) acc[i][j].store(s + i * bs + (c + j) * VecF::N);
 }
 
+// scores_micro for qb <= QB query vectors and kb <= KB key vectors.
+template <typename T, int QB, int KB>
+inline void scores_tile(int qb, int kb, const float* const* qs, const T* kt, int64_t bs, int64_t d, int64_t c,
+                        float* s) {
+  if constexpr (QB > 1) {
+    if (qb < QB) return scores_tile<T, QB - 1, KB>(qb, kb, qs, kt, bs, d, c, s);
+  }
+  if constexpr (KB > 1) {
+    if (kb < KB) return scores_tile<T, QB, KB - 1>(qb, kb, qs, kt, bs, d, c, s);
+  }
+  scores_micro<T, QB, KB>(qs, kt, bs, d, c, s);
+}
+
 // s[i * bs + j] = q_i . k_j for the nq query vectors and the key vectors [c_lo, c_hi] of a block.
-inline void block_scores(const float* const* qs, int64_t nq, const float* kt, int64_t bs, int64_t d, int64_t c_lo,
+template <typename T>
+inline void block_scores(const float* const* qs, int64_t nq, const T* kt, int64_t bs, int64_t d, int64_t c_lo,
                          int64_t c_hi, float* s) {
-  for (int64_t i = 0; i < nq; i += 4) {
-    const float* const* q = qs + i;
-    float* si = s + i * bs;
-    const int64_t qb = std::min<int64_t>(4, nq - i);
-    for (int64_t c = c_lo; c <= c_hi; c += 2) {
-      const bool two = c + 1 <= c_hi;
-      switch (qb * 2 + (two ? 1 : 0)) {
-        case 9: scores_micro<4, 2>(q, kt, bs, d, c, si); break;
-        case 8: scores_micro<4, 1>(q, kt, bs, d, c, si); break;
-        case 7: scores_micro<3, 2>(q, kt, bs, d, c, si); break;
-        case 6: scores_micro<3, 1>(q, kt, bs, d, c, si); break;
-        case 5: scores_micro<2, 2>(q, kt, bs, d, c, si); break;
-        case 4: scores_micro<2, 1>(q, kt, bs, d, c, si); break;
-        case 3: scores_micro<1, 2>(q, kt, bs, d, c, si); break;
-        default: scores_micro<1, 1>(q, kt, bs, d, c, si); break;
-      }
-    }
+  // key vectors outer: their d x KB slab stays in L1 while every query vector passes over it
+  for (int64_t c = c_lo; c <= c_hi; c += kScoreKB) {
+    const int kb = static_cast<int>(std::min<int64_t>(kScoreKB, c_hi - c + 1));
+    for (int64_t i = 0; i < nq; i += kScoreQB)
+      scores_tile<T, kScoreQB, kScoreKB>(static_cast<int>(std::min<int64_t>(kScoreQB, nq - i)), kb, qs + i, kt, bs, d,
+                                         c, s + i * bs);
   }
 }
 
-// acc[0:d] = sum_j p[j] * v[j, 0:d] on top of acc, one FMA chain per element in
-// key order, with up to 8 vectors of the accumulator held in registers.
-inline void accumulate_values(float* acc, const float* p, const float* v, int64_t n, int64_t d) {
-  constexpr int kRegs = 8;
-  const int64_t dv = d / VecF::N * VecF::N;
-  for (int64_t e0 = 0; e0 < dv; e0 += kRegs * VecF::N) {
-    const int nv = static_cast<int>(std::min<int64_t>(kRegs, (dv - e0) / VecF::N));
-    VecF r[kRegs];
-    for (int i = 0; i < nv; ++i) r[i] = VecF::load(acc + e0 + i * VecF::N);
-    for (int64_t j = 0; j < n; ++j) {
-      const VecF pj = VecF::set1(p[j]);
-      const float* vr = v + j * d + e0;
-      for (int i = 0; i < nv; ++i) r[i] = VecF::fma(pj, VecF::load(vr + i * VecF::N), r[i]);
+// acc_i[e0, e0 + V * N) += sum_j p_i[j] * v[j, e0:] for R rows (accumulators acc + i * d,
+// probabilities p + i * ps): one FMA chain per element in key order, every value vector loaded
+// (and widened) once for the R rows.
+template <typename T, int R, int V>
+inline void values_micro(float* acc, const float* p, int64_t ps, const T* v, int64_t n, int64_t d, int64_t e0) {
+  VecF r[R][V];
+  for (int i = 0; i < R; ++i)
+    for (int k = 0; k < V; ++k) r[i][k] = VecF::load(acc + i * d + e0 + k * VecF::N);
+  for (int64_t j = 0; j < n; ++j) {
+    VecF x[V];
+    for (int k = 0; k < V; ++k) x[k] = VecF::load(v + j * d + e0 + k * VecF::N);
+    for (int i = 0; i < R; ++i) {
+      const VecF pj = VecF::set1(p[i * ps + j]);
+      for (int k = 0; k < V; ++k) r[i][k] = VecF::fma(pj, x[k], r[i][k]);
     }
-    for (int i = 0; i < nv; ++i) r[i].store(acc + e0 + i * VecF::N);
   }
-  for (int64_t e = dv; e < d; ++e)
-    for (int64_t j = 0; j < n; ++j) acc[e] = std::fma(p[j], v[j * d + e], acc[e]);
+  for (int i = 0; i < R; ++i)
+    for (int k = 0; k < V; ++k) r[i][k].store(acc + i * d + e0 + k * VecF::N);
 }
 
-// accumulate_values for two accumulators over the same keys (two query heads of one row): the
-// same chains, element by element, sharing each value load.
-inline void accumulate_values2(float* acc0, const float* p0, float* acc1, const float* p1, const float* v, int64_t n,
-                               int64_t d) {
-  constexpr int kRegs = 4;
-  const int64_t dv = d / VecF::N * VecF::N;
-  for (int64_t e0 = 0; e0 < dv; e0 += kRegs * VecF::N) {
-    const int nv = static_cast<int>(std::min<int64_t>(kRegs, (dv - e0) / VecF::N));
-    VecF r0[kRegs], r1[kRegs];
-    for (int i = 0; i < nv; ++i) {
-      r0[i] = VecF::load(acc0 + e0 + i * VecF::N);
-      r1[i] = VecF::load(acc1 + e0 + i * VecF::N);
+template <typename T, int R, int V>
+inline void values_tile(int rr, int vv, float* acc, const float* p, int64_t ps, const T* v, int64_t n, int64_t d,
+                        int64_t e0) {
+  if constexpr (R > 1) {
+    if (rr < R) return values_tile<T, R - 1, V>(rr, vv, acc, p, ps, v, n, d, e0);
+  }
+  if constexpr (V > 1) {
+    if (vv < V) return values_tile<T, R, V - 1>(rr, vv, acc, p, ps, v, n, d, e0);
+  }
+  values_micro<T, R, V>(acc, p, ps, v, n, d, e0);
+}
+
+// acc_i[0:d] += sum_j p_i[j] * v[j, 0:d] for the rows i < rows (acc + i * d, p + i * ps) over
+// the n keys at v: the same chains whatever the number of rows taken together.
+template <typename T>
+inline void accumulate_values(float* acc, const float* p, int64_t ps, int64_t rows, const T* v, int64_t n,
+                              int64_t d) {
+  const int64_t nvec = d / VecF::N;
+  for (int64_t i = 0; i < rows; i += kValueR)
+    for (int64_t c = 0; c < nvec; c += kValueV)
+      values_tile<T, kValueR, kValueV>(static_cast<int>(std::min<int64_t>(kValueR, rows - i)),
+                                       static_cast<int>(std::min<int64_t>(kValueV, nvec - c)), acc + i * d,
+                                       p + i * ps, ps, v, n, d, c * VecF::N);
+  for (int64_t e = nvec * VecF::N; e < d; ++e)
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < n; ++j) acc[i * d + e] = std::fma(p[i * ps + j], to_float(v[j * d + e]), acc[i * d + e]);
+}
+
+// One block's step of a row's online softmax: p[0, n) holds the raw scores of the keys the row
+// sees in the block and becomes their probabilities exp(s * scale - m_new); the running max *m and
+// sum *l move on, and the accumulator acc[0, d) is rescaled for the new max. Vector steps in
+// fixed chunks of the key index from the row's first key in the block, which depends only on the
+// row's position: a row gets the same bits on every path.
+inline void online_softmax(float* p, int64_t n, float scale, float softcap, float* m, float* l, float* acc,
+                           int64_t d) {
+  float blk_max = -std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+  if (softcap > 0.f) {
+    for (; j < n; ++j) {
+      p[j] = softcap * std::tanh(p[j] * scale / softcap);
+      blk_max = std::max(blk_max, p[j]);
     }
-    for (int64_t j = 0; j < n; ++j) {
-      const VecF a = VecF::set1(p0[j]), b = VecF::set1(p1[j]);
-      const float* vr = v + j * d + e0;
-      for (int i = 0; i < nv; ++i) {
-        const VecF x = VecF::load(vr + i * VecF::N);
-        r0[i] = VecF::fma(a, x, r0[i]);
-        r1[i] = VecF::fma(b, x, r1[i]);
-      }
+  } else {
+    const VecF vs = VecF::set1(scale);
+    VecF vm = VecF::set1(blk_max);
+    for (; j + VecF::N <= n; j += VecF::N) {
+      const VecF x = VecF::load(p + j) * vs;
+      x.store(p + j);
+      vm = VecF::max(vm, x);
     }
-    for (int i = 0; i < nv; ++i) {
-      r0[i].store(acc0 + e0 + i * VecF::N);
-      r1[i].store(acc1 + e0 + i * VecF::N);
+    blk_max = vm.reduce_max();
+    for (; j < n; ++j) {
+      p[j] = p[j] * scale;
+      blk_max = std::max(blk_max, p[j]);
     }
   }
-  for (int64_t e = dv; e < d; ++e)
-    for (int64_t j = 0; j < n; ++j) {
-      acc0[e] = std::fma(p0[j], v[j * d + e], acc0[e]);
-      acc1[e] = std::fma(p1[j], v[j * d + e], acc1[e]);
-    }
+  const float m_new = std::max(*m, blk_max);
+  const float alpha = std::exp(*m - m_new);  // exp(-inf) = 0 on the first block
+  const VecF vmax = VecF::set1(m_new);
+  VecF vsum = VecF::zero();
+  for (j = 0; j + VecF::N <= n; j += VecF::N) {
+    const VecF e = (VecF::load(p + j) - vmax).exp();
+    e.store(p + j);
+    vsum = vsum + e;
+  }
+  float psum = vsum.reduce_sum();
+  for (; j < n; ++j) {
+    p[j] = std::exp(p[j] - m_new);
+    psum += p[j];
+  }
+  *l = *l * alpha + psum;
+  *m = m_new;
+  if (alpha != 1.f) {
+    const VecF va = VecF::set1(alpha);
+    int64_t e = 0;
+    for (; e + VecF::N <= d; e += VecF::N) (VecF::load(acc + e) * va).store(acc + e);
+    for (; e < d; ++e) acc[e] *= alpha;
+  }
 }
 
 // Asks for the next block's key and value tiles while this one is worked on: blocks sit anywhere
@@ -156,7 +213,11 @@ void paged_attention_t(float* out, const float* q, const T* k_cache, const T* v_
                        const int32_t* qsl, int64_t num_seqs, int64_t hq, int64_t hk, int64_t group,
                        int64_t q_off, int64_t d, int64_t bs, float scale, int64_t window, float softcap,
                        int64_t q_stride, int64_t out_stride, float k_scale, float v_scale) {
-  constexpr bool kConvert = !std::is_same<T, float>::value;
+  // float, bfloat16 and float16 tiles are widened in registers by the micro-kernels; float8 or
+  // scaled tiles are widened once per block into float buffers.
+  constexpr bool kWidenInRegisters = std::is_same<T, float>::value || std::is_same<T, bf16>::value ||
+                                     std::is_same<T, f16>::value;
+  const bool direct = kWidenInRegisters && k_scale == 1.f && v_scale == 1.f;
   // Local query head i attends with kv head (i + q_off) / group: with q_off = 0 and
   // hq = hk * group this is plain GQA; a tensor-parallel rank holding part of a
   // group passes where its first query head sits inside its first kv head's group.
@@ -192,15 +253,14 @@ void paged_attention_t(float* out, const float* q, const T* k_cache, const T* v_
     // Per-thread scratch, sized once for the largest shape seen.
     static thread_local std::vector<float> scratch;
     static thread_local std::vector<const float*> qptr;
-    const size_t need = static_cast<size_t>(kQTile * group * (d + 2 + bs) + group * bs + (kConvert ? 2 * bs * d : 0));
+    const size_t need = static_cast<size_t>(kQTile * group * (d + 2 + bs) + (direct ? 0 : 2 * bs * d));
     if (scratch.size() < need) scratch.resize(need);
     if (qptr.size() < static_cast<size_t>(kQTile * group)) qptr.resize(static_cast<size_t>(kQTile * group));
     float* acc = scratch.data();                 // [rows][group][d]
     float* m = acc + kQTile * group * d;         // [rows][group]
     float* l = m + kQTile * group;               // [rows][group]
-    float* sblk = l + kQTile * group;            // [rows][group][bs] a block's raw scores
-    float* sc = sblk + kQTile * group * bs;      // [group][bs] one row's probabilities
-    float* kbuf = sc + group * bs;               // [d][bs] keys as float (narrow caches)
+    float* sblk = l + kQTile * group;            // [rows][group][bs] a block's scores, then probabilities
+    float* kbuf = sblk + kQTile * group * bs;    // [d][bs] keys as float (float8 or scaled caches)
     float* vbuf = kbuf + bs * d;                 // [bs][d] values as float
 
 #pragma omp for schedule(dynamic, 1)
@@ -231,84 +291,36 @@ void paged_attention_t(float* out, const float* q, const T* k_cache, const T* v_
         const int64_t c_lo = blk_lo / VecF::N, c_hi = blk_hi / VecF::N;
         if ((b + 1) * bs <= last_pos)
           prefetch_tile(k_cache, v_cache, (static_cast<int64_t>(table[b + 1]) * hk + w.kv_head) * bs * d, bs * d);
-        const float* kt;
-        const float* vb;
-        if constexpr (kConvert) {
+        // Every row of the tile sees the whole block: its values are accumulated for all rows
+        // and heads at once (the same chains as row by row).
+        const bool whole = first_pos >= base + bs - 1 && (window <= 0 || last_pos - window + 1 <= base);
+        auto attend = [&](const auto* kt, const auto* vb) {
+          block_scores(qptr.data(), w.rows * ng, kt, bs, d, c_lo, c_hi, sblk);
+          for (int64_t r = 0; r < w.rows; ++r) {
+            const int64_t pos = first_pos + r;
+            const int64_t k_lo = std::max<int64_t>(base, window > 0 ? pos - window + 1 : 0);
+            const int64_t k_hi = std::min<int64_t>(base + bs - 1, pos);  // inclusive
+            if (k_lo > k_hi) continue;
+            const int64_t n = k_hi - k_lo + 1;
+            for (int64_t g = 0; g < ng; ++g) online_softmax(sblk + (r * ng + g) * bs + (k_lo - base), n, scale, softcap,
+                                                            m + r * ng + g, l + r * ng + g, acc + (r * ng + g) * d, d);
+            if (!whole) accumulate_values(acc + r * ng * d, sblk + r * ng * bs + (k_lo - base), bs, ng,
+                                          vb + (k_lo - base) * d, n, d);
+          }
+          if (whole) accumulate_values(acc, sblk, bs, w.rows * ng, vb, bs, d);
+        };
+        if constexpr (kWidenInRegisters) {
+          if (direct) {
+            attend(k_cache + tile, v_cache + tile);
+            continue;
+          }
+        }
+        {  // float8, or scaled: widened to float once per block
           for (int64_t e = 0; e < d; ++e)
             convert_to_float(kbuf + e * bs + c_lo * VecF::N, k_cache + tile + e * bs + c_lo * VecF::N,
                              (c_hi - c_lo + 1) * VecF::N, k_scale);
           convert_to_float(vbuf + blk_lo * d, v_cache + tile + blk_lo * d, (blk_hi - blk_lo + 1) * d, v_scale);
-          kt = kbuf;
-          vb = vbuf;
-        } else {
-          kt = k_cache + tile;
-          vb = v_cache + tile;
-        }
-        block_scores(qptr.data(), w.rows * ng, kt, bs, d, c_lo, c_hi, sblk);
-        for (int64_t r = 0; r < w.rows; ++r) {
-          const int64_t pos = first_pos + r;
-          const int64_t k_lo = std::max<int64_t>(base, window > 0 ? pos - window + 1 : 0);
-          const int64_t k_hi = std::min<int64_t>(base + bs - 1, pos);  // inclusive
-          if (k_lo > k_hi) continue;
-          const int64_t n = k_hi - k_lo + 1;
-          for (int64_t g = 0; g < ng; ++g) {
-            const int64_t st = r * ng + g;
-            const float* raw = sblk + st * bs + (k_lo - base);
-            float* p = sc + g * bs;
-            // Vector steps in fixed chunks of the key index from k_lo, which depend only on the
-            // row's position: a row gets the same bits on every path.
-            float blk_max = -std::numeric_limits<float>::infinity();
-            int64_t j = 0;
-            if (softcap > 0.f) {
-              for (; j < n; ++j) {
-                p[j] = softcap * std::tanh(raw[j] * scale / softcap);
-                blk_max = std::max(blk_max, p[j]);
-              }
-            } else {
-              const VecF vs = VecF::set1(scale);
-              VecF vm = VecF::set1(blk_max);
-              for (; j + VecF::N <= n; j += VecF::N) {
-                const VecF x = VecF::load(raw + j) * vs;
-                x.store(p + j);
-                vm = VecF::max(vm, x);
-              }
-              blk_max = vm.reduce_max();
-              for (; j < n; ++j) {
-                p[j] = raw[j] * scale;
-                blk_max = std::max(blk_max, p[j]);
-              }
-            }
-            const float m_new = std::max(m[st], blk_max);
-            const float alpha = std::exp(m[st] - m_new);  // exp(-inf) = 0 on the first block
-            // probabilities and their sum
-            const VecF vmax = VecF::set1(m_new);
-            VecF vsum = VecF::zero();
-            for (j = 0; j + VecF::N <= n; j += VecF::N) {
-              const VecF e = (VecF::load(p + j) - vmax).exp();
-              e.store(p + j);
-              vsum = vsum + e;
-            }
-            float psum = vsum.reduce_sum();
-            for (; j < n; ++j) {
-              p[j] = std::exp(p[j] - m_new);
-              psum += p[j];
-            }
-            l[st] = l[st] * alpha + psum;
-            m[st] = m_new;
-            float* a = acc + st * d;
-            if (alpha != 1.f) {
-              const VecF va = VecF::set1(alpha);
-              int64_t e = 0;
-              for (; e + VecF::N <= d; e += VecF::N) (VecF::load(a + e) * va).store(a + e);
-              for (; e < d; ++e) a[e] *= alpha;
-            }
-          }
-          const float* vr = vb + (k_lo - base) * d;
-          int64_t g = 0;
-          for (; g + 2 <= ng; g += 2)
-            accumulate_values2(acc + (r * ng + g) * d, sc + g * bs, acc + (r * ng + g + 1) * d, sc + (g + 1) * bs, vr, n,
-                               d);
-          if (g < ng) accumulate_values(acc + (r * ng + g) * d, sc + g * bs, vr, n, d);
+          attend(static_cast<const float*>(kbuf), static_cast<const float*>(vbuf));
         }
       }
       for (int64_t r = 0; r < w.rows; ++r) {

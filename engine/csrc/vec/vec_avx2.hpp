@@ -28,6 +28,7 @@ inline __m256 exp_ps(__m256 x) {
 
 struct VecF {
   static constexpr int N = 8;
+  static constexpr int kRegs = 16;  // vector registers the ISA has (micro-kernel blocking)
   static constexpr const char* kIsa = "avx2";
   __m256 v;
 

@@ -26,6 +26,7 @@ inline float32x4_t exp_ps(float32x4_t x) {
 
 struct VecF {
   static constexpr int N = 4;
+  static constexpr int kRegs = 32;  // vector registers the ISA has (micro-kernel blocking)
 #ifdef __ARM_FEATURE_DOTPROD
   static constexpr const char* kIsa = "neon_dotprod";
 #else

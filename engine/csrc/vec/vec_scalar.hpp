@@ -12,6 +12,7 @@ namespace {  // internal linkage: every ISA unit has its own copy
 
 struct VecF {
   static constexpr int N = 8;
+  static constexpr int kRegs = 16;  // vector registers the ISA has (micro-kernel blocking)
   static constexpr const char* kIsa = "scalar";
   float v[N];
 

@@ -10,6 +10,7 @@ namespace {  // internal linkage: every ISA unit has its own copy
 
 struct VecF {
   static constexpr int N = 4;
+  static constexpr int kRegs = 32;  // vector registers the ISA has (micro-kernel blocking)
   static constexpr const char* kIsa = "vxe";
   __vector float v;
 

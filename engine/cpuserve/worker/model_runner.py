@@ -19,6 +19,7 @@ from cpuserve.model_executor.context import ForwardContext, set_context
 from cpuserve.model_executor.models.common import Weights
 from cpuserve.model_executor.parallel import TPGroup
 from cpuserve.platform.isa import resolve_dtype, resolve_kv_dtype
+from cpuserve.platform.malloc import tune_malloc
 from cpuserve.worker import kv_cache
 from cpuserve.worker.input_batch import blocks_for, packed_inputs, prepare_inputs, scoring_inputs
 from cpuserve.worker.sampler import Sampler
@@ -150,10 +151,12 @@ class ModelRunner:
             self._abort_ranks(e)
             raise
         self.sampler = Sampler(eos_token_ids(self.hf_config))
+        self.malloc = tune_malloc()  # after loading: the weights' temporaries go back to the kernel as before
         self.load_seconds = time.perf_counter() - t0
         log.info("rank %d/%d loaded %s (%s) in %.2fs: dtype=%s kv=%s blocks=%d x %d tokens, max_model_len=%d",
                  tp.rank, tp.size, self.model_dir, type(self.model).__name__, self.load_seconds, self.dtype,
                  self.kv_dtype, self.num_blocks, self.block_size, self.max_model_len)
+        log.info("rank %d/%d malloc: %s", tp.rank, tp.size, self.malloc)
         log.info("rank %d/%d weights: %.1f MiB resident, quantization=%s; GEMM weights as stored: %s", tp.rank,
                  tp.size, self.weight_bytes / 2**20, self.quantization, storage_summary(self.model))
 

@@ -68,9 +68,15 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_heads, scale,
-                    sliding_window=0, softcap=0.0, group=None, q_head_offset=0, k_scale=1.0, v_scale=1.0):
+                    sliding_window=0, softcap=0.0, group=None, q_head_offset=0, k_scale=1.0, v_scale=1.0,
+                    bf16_inputs: bool = False):
     """Gathers each sequence's keys/values from the cache and runs masked softmax attention;
-    query head i uses kv head (i + q_head_offset) // group."""
+    query head i uses kv head (i + q_head_offset) // group. `bf16_inputs`: q rounded to bfloat16
+    first, as the AVX-512 BF16 kernels do for a bfloat16 cache (Kernels.bf16_dot); they also round
+    the probabilities to bfloat16 (relative error at most 2^-9 each), so their output stays within
+    2^-9 * max|v| of this one (`BF16_PROBABILITY_ERROR`), up to float32 rounding."""
+    if bf16_inputs:
+        q = q.to(torch.bfloat16).float()
     _, hk, bs, d = v_cache.shape
     group = group or num_heads // hk
     kv_of = torch.tensor([(i + q_head_offset) // group for i in range(num_heads)])
@@ -95,6 +101,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         scores = scores.masked_fill(~mask, float("-inf"))
         out[q0:q1] = (scores.softmax(-1) @ vals).transpose(0, 1).reshape(q1 - q0, -1).float()
     return out
+
+
+BF16_PROBABILITY_ERROR = 2.0 ** -9  # bfloat16 rounding to nearest: half its 2^-8 unit roundoff
 
 
 def linear(x, weight, bias=None, bf16_inputs: bool = False):

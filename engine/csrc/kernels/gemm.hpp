@@ -78,19 +78,6 @@ void pack_weight_impl(void* dst, const void* src, DType dt, int64_t n, int64_t k
 // once so that decode (M = 1, 2) keeps 8 independent FMA chains in flight
 // instead of waiting on the latency of 2; each output element is still the
 // same single chain, so results do not depend on MR or NP.
-// acc + a * b: one FMA, or for bf16 pairs one pair dot product (vdpbf16ps).
-template <typename T> struct Madd {
-  static VecF apply(VecF a, VecF b, VecF acc) { return VecF::fma(a, b, acc); }
-};
-#ifdef __AVX512BF16__
-template <> struct Madd<bf16x2> {
-  static VecF apply(VecF a, VecF b, VecF acc) { return VecF::dot2(a, b, acc); }
-};
-#endif
-
-// A's element for weights of type T: float, or a bf16 pair for bf16 pairs.
-template <typename T> using AOf = std::conditional_t<std::is_same_v<T, bf16x2>, bf16x2, float>;
-
 template <int MR, int NP, typename T, typename TA = AOf<T>>
 inline void micro_kernel(const TA* a, int64_t lda, const T* b, int64_t panel_stride, int64_t kc,
                          float* c, int64_t ldc, bool first, int cols) {

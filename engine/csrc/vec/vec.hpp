@@ -13,3 +13,22 @@
 #else
 #include "vec_scalar.hpp"
 #endif
+
+#include <type_traits>
+
+namespace cpuserve {
+namespace {
+// acc + a * b: one FMA, or for bf16 pairs one pair dot product (vdpbf16ps).
+template <typename T> struct Madd {
+  static VecF apply(VecF a, VecF b, VecF acc) { return VecF::fma(a, b, acc); }
+};
+#ifdef __AVX512BF16__
+template <> struct Madd<bf16x2> {
+  static VecF apply(VecF a, VecF b, VecF acc) { return VecF::dot2(a, b, acc); }
+};
+#endif
+
+// The other operand's element for elements of type T: float, or a bf16 pair for bf16 pairs.
+template <typename T> using AOf = std::conditional_t<std::is_same_v<T, bf16x2>, bf16x2, float>;
+}  // namespace
+}  // namespace cpuserve

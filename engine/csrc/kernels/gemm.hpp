@@ -204,30 +204,37 @@ void gemm_t(float* c, const TA* a, const T* w, const float* bias, int64_t m, int
   }
 }
 
-// A rounded to bfloat16 pairs (nearest even, as from_float<bf16>), one row after another.
+#ifdef __AVX512BF16__
+// A rounded to bfloat16 pairs (nearest even, as from_float<bf16>), one row after another: a row's
+// bfloat16 values in order are its pairs (k, k + 1), an odd K padded with a zero. Whole vectors
+// are rounded by vcvtneps2bf16, which flushes denormals where from_float keeps them: vdpbf16ps
+// reads a denormal as zero either way, so the products are the same.
 inline const bf16x2* bf16_pairs_of(const float* a, int64_t m, int64_t k, int64_t lda) {
   const int64_t k2 = (k + 1) / 2;
   thread_local std::vector<bf16x2> buf;
   buf.resize(static_cast<size_t>(m * k2));
   bf16x2* out = buf.data();
 #pragma omp parallel for schedule(static) if (m * k > 65536)
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t q = 0; q < k2; ++q) {
-      const uint32_t lo = from_float<bf16>(a[r * lda + 2 * q]).bits;
-      const uint32_t hi = 2 * q + 1 < k ? from_float<bf16>(a[r * lda + 2 * q + 1]).bits : 0;
-      out[r * k2 + q] = bf16x2{lo | (hi << 16)};
-    }
+  for (int64_t r = 0; r < m; ++r) {
+    const float* ar = a + r * lda;
+    bf16* o = reinterpret_cast<bf16*>(out + r * k2);
+    int64_t e = 0;
+    for (; e + VecF::N <= k; e += VecF::N) VecF::load(ar + e).store_bf16(o + e);
+    for (; e < k; ++e) o[e] = from_float<bf16>(ar[e]);
+    if (k % 2) o[k] = bf16{0};
+  }
   return out;
 }
+#endif
 
 void gemm_impl(float* c, const float* a, const void* w, DType dt, const float* bias, int64_t m,
                int64_t n, int64_t k, int64_t lda, int64_t ldc) {
-  if constexpr (kBf16Pairs) {
-    if (dt == DType::BF16) {
-      const int64_t k2 = (k + 1) / 2;
-      return gemm_t(c, bf16_pairs_of(a, m, k, lda), static_cast<const bf16x2*>(w), bias, m, n, k2, k2, ldc);
-    }
+#ifdef __AVX512BF16__
+  if (dt == DType::BF16) {
+    const int64_t k2 = (k + 1) / 2;
+    return gemm_t(c, bf16_pairs_of(a, m, k, lda), static_cast<const bf16x2*>(w), bias, m, n, k2, k2, ldc);
   }
+#endif
   switch (dt) {
     case DType::F32: return gemm_t(c, a, static_cast<const float*>(w), bias, m, n, k, lda, ldc);
     case DType::BF16: return gemm_t(c, a, static_cast<const bf16*>(w), bias, m, n, k, lda, ldc);

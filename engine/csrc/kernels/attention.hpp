@@ -13,6 +13,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 #include <omp.h>
 #include "../vec/vec.hpp"
@@ -181,7 +182,7 @@ inline void accumulate_values(float* acc, const AOf<typename Src::Elem>* p, int6
 // sum *l move on, and the accumulator acc[0, d) is rescaled for the new max. Vector steps in
 // fixed chunks of the key index from the row's first key in the block, which depends only on the
 // row's position: a row gets the same bits on every path.
-inline void online_softmax(float* p, int64_t n, float scale, float softcap, float* m, float* l, float* acc,
+[[gnu::always_inline]] inline void online_softmax(float* p, int64_t n, float scale, float softcap, float* m, float* l, float* acc,
                            int64_t d) {
   float blk_max = -std::numeric_limits<float>::infinity();
   int64_t j = 0;
@@ -241,41 +242,46 @@ inline void prefetch_tile(const T* k_cache, const T* v_cache, int64_t tile, int6
   }
 }
 
+// The arguments of one call (see paged_attention_impl); AttnShape is what the block steps need.
+struct AttnShape {
+  int64_t d, bs, window;
+  float scale, softcap;
+};
+template <typename T> struct AttnArgs : AttnShape {
+  float* out;
+  const float* q;
+  const T *k_cache, *v_cache;
+  const int32_t *block_tables, *seq_lens, *qsl;
+  int64_t max_blocks, num_seqs, hq, hk, group, q_off, q_stride, out_stride;
+  float k_scale, v_scale;
+};
+
+// float, bfloat16 and float16 tiles are widened in registers by the micro-kernels; float8 or
+// scaled tiles are widened once per block into float buffers.
 template <typename T>
-void paged_attention_t(float* out, const float* q, const T* k_cache, const T* v_cache,
-                       const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
-                       const int32_t* qsl, int64_t num_seqs, int64_t hq, int64_t hk, int64_t group,
-                       int64_t q_off, int64_t d, int64_t bs, float scale, int64_t window, float softcap,
-                       int64_t q_stride, int64_t out_stride, float k_scale, float v_scale) {
-  // float, bfloat16 and float16 tiles are widened in registers by the micro-kernels; float8 or
-  // scaled tiles are widened once per block into float buffers.
-  constexpr bool kWidenInRegisters = std::is_same<T, float>::value || std::is_same<T, bf16>::value ||
-                                     std::is_same<T, f16>::value;
-  const bool direct = kWidenInRegisters && k_scale == 1.f && v_scale == 1.f;
-  // bfloat16 caches on CPUs with AVX-512 BF16: bfloat16 pair dot products (vdpbf16ps), the
-  // queries and the probabilities rounded to bfloat16 (as torch's bfloat16 attention computes
-  // them), at twice the FMA path's rate.
-  constexpr bool kPairs = kBf16PairAttention && std::is_same_v<T, bf16>;
-  const bool pairs = kPairs && direct && d % VecF::N == 0;
-  // Local query head i attends with kv head (i + q_off) / group: with q_off = 0 and
-  // hq = hk * group this is plain GQA; a tensor-parallel rank holding part of a
-  // group passes where its first query head sits inside its first kv head's group.
-  // The work list is rebuilt per call but reuses its storage: no allocation once warm.
-  // Splitting decode rows per query head re-reads each key/value tile `group`
-  // times, so it is done only when whole groups would leave threads idle.
+constexpr bool kWidenInRegisters = std::is_same_v<T, float> || std::is_same_v<T, bf16> || std::is_same_v<T, f16>;
+
+// The work list, rebuilt per call in storage reused across calls (no allocation once warm).
+// Local query head i attends with kv head (i + q_off) / group: with q_off = 0 and
+// hq = hk * group this is plain GQA; a tensor-parallel rank holding part of a
+// group passes where its first query head sits inside its first kv head's group.
+// Splitting decode rows per query head re-reads each key/value tile `group`
+// times, so it is done only when whole groups would leave threads idle.
+template <typename T>
+inline const std::vector<AttnItem>& attention_items(const AttnArgs<T>& a) {
   int64_t group_items = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) group_items += (qsl[s + 1] - qsl[s] + kQTile - 1) / kQTile * hk;
-  const bool split_heads = group > 1 && group_items < 4 * static_cast<int64_t>(omp_get_max_threads());
+  for (int64_t s = 0; s < a.num_seqs; ++s) group_items += (a.qsl[s + 1] - a.qsl[s] + kQTile - 1) / kQTile * a.hk;
+  const bool split_heads = a.group > 1 && group_items < 4 * static_cast<int64_t>(omp_get_max_threads());
   static thread_local std::vector<AttnItem> items;
   items.clear();
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int32_t q_len = qsl[s + 1] - qsl[s];
+  for (int64_t s = 0; s < a.num_seqs; ++s) {
+    const int32_t q_len = a.qsl[s + 1] - a.qsl[s];
     for (int32_t r = 0; r < q_len; r += kQTile)
-      for (int32_t h = 0; h < hk; ++h) {
+      for (int32_t h = 0; h < a.hk; ++h) {
         const int32_t rows = std::min<int32_t>(kQTile, q_len - r);
         // this kv head's query heads, as local indices
-        const int32_t ga = static_cast<int32_t>(std::max<int64_t>(0, h * group - q_off));
-        const int32_t gb = static_cast<int32_t>(std::min<int64_t>(hq, (h + 1) * group - q_off));
+        const int32_t ga = static_cast<int32_t>(std::max<int64_t>(0, h * a.group - a.q_off));
+        const int32_t gb = static_cast<int32_t>(std::min<int64_t>(a.hq, (h + 1) * a.group - a.q_off));
         if (ga >= gb) continue;
         if (q_len == 1 && split_heads) {
           for (int32_t g = ga; g < gb; ++g) items.push_back({static_cast<int32_t>(s), h, r, rows, g, g + 1});
@@ -284,162 +290,238 @@ void paged_attention_t(float* out, const float* q, const T* k_cache, const T* v_
         }
       }
   }
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  const AttnItem* item_ptr = items.data();
+  return items;
+}
 
-#pragma omp parallel
-  {
-    // Per-thread scratch, sized once for the largest shape seen.
+// A thread's scratch for its work items, sized once for the largest shape seen: per (row, head)
+// of a tile the online softmax's running max m, sum l and accumulator acc, the query vectors, a
+// block's scores, and the blocks widened or paired into buffers.
+struct TileScratch {
+  float* acc;   // [rows][group][d]
+  float* m;     // [rows][group]
+  float* l;     // [rows][group]
+  float* sblk;  // [rows][group][bs] a block's scores, then probabilities
+  float* kbuf;  // [d][bs] keys as float (float8 or scaled caches)
+  float* vbuf;  // [bs][d] values as float
+  // the pair path: keys as pairs (e, e + 1) [d/2][bs] in kbuf, values as pairs (j, j + 1)
+  // [bs/2][d] in vbuf, queries [rows][group][d] and probabilities [rows][group][bs] in bfloat16
+  bf16* qb;
+  bf16* pb;
+  const float** qptr;    // [rows][group] the tile's query vectors
+  const bf16x2** qpair;  // the same, rounded to bfloat16 pairs (qb)
+
+  static TileScratch for_this_thread(int64_t group, int64_t d, int64_t bs) {
     static thread_local std::vector<float> scratch;
     static thread_local std::vector<const float*> qptr;
     static thread_local std::vector<const bf16x2*> qpair;
-    const size_t need = static_cast<size_t>(kQTile * group * (d + 2 + bs) + 2 * bs * d + kQTile * group * (d + bs) / 2);
+    const int64_t tile = kQTile * group;
+    const size_t need = static_cast<size_t>(tile * (d + 2 + bs) + 2 * bs * d + tile * (d + bs) / 2);
     if (scratch.size() < need) scratch.resize(need);
-    if (qptr.size() < static_cast<size_t>(kQTile * group)) qptr.resize(static_cast<size_t>(kQTile * group));
+    if (qptr.size() < static_cast<size_t>(tile)) qptr.resize(static_cast<size_t>(tile));
     if (qpair.size() < qptr.size()) qpair.resize(qptr.size());
-    float* acc = scratch.data();                 // [rows][group][d]
-    float* m = acc + kQTile * group * d;         // [rows][group]
-    float* l = m + kQTile * group;               // [rows][group]
-    float* sblk = l + kQTile * group;            // [rows][group][bs] a block's scores, then probabilities
-    float* kbuf = sblk + kQTile * group * bs;    // [d][bs] keys as float (float8 or scaled caches)
-    float* vbuf = kbuf + bs * d;                 // [bs][d] values as float
-    // the pair path: keys as pairs (e, e + 1) [d/2][bs] in kbuf, values as pairs (j, j + 1)
-    // [bs/2][d] in vbuf, queries [rows][group][d] and probabilities [rows][group][bs] in bfloat16
-    bf16* qb = reinterpret_cast<bf16*>(vbuf + bs * d);
-    bf16* pb = qb + kQTile * group * d;
+    TileScratch t;
+    t.acc = scratch.data();
+    t.m = t.acc + tile * d;
+    t.l = t.m + tile;
+    t.sblk = t.l + tile;
+    t.kbuf = t.sblk + tile * bs;
+    t.vbuf = t.kbuf + bs * d;
+    t.qb = reinterpret_cast<bf16*>(t.vbuf + bs * d);
+    t.pb = t.qb + tile * d;
+    t.qptr = qptr.data();
+    t.qpair = qpair.data();
+    return t;
+  }
+};
 
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < n_items; ++it) {
-      const AttnItem w = item_ptr[it];
-      const int64_t ctx = seq_lens[w.seq];
-      const int64_t q_len = qsl[w.seq + 1] - qsl[w.seq];
-      const int64_t first_pos = ctx - q_len + w.row0;  // position of the tile's first row
-      const int64_t last_pos = first_pos + w.rows - 1;
-      const int64_t lo_key = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
-      const int32_t* table = block_tables + w.seq * max_blocks;
-      const int64_t ng = w.g1 - w.g0;
+// A work item against one cache block: the tile's rows and heads, and the keys they see.
+struct BlockView {
+  int64_t rows, ng;        // the tile's rows, and query heads per row
+  int64_t first_pos;       // position of the tile's first row
+  int64_t base;            // position of the block's first key
+  int64_t blk_lo, blk_hi;  // keys some row sees, relative to base (inclusive)
+  int64_t c_lo, c_hi;      // the key vectors holding them
+  bool whole;              // every row sees every key of the block
 
-      for (int64_t i = 0; i < w.rows * ng; ++i) {
-        m[i] = -std::numeric_limits<float>::infinity();
-        l[i] = 0.f;
-        std::fill(acc + i * d, acc + (i + 1) * d, 0.f);
-      }
-      for (int64_t r = 0; r < w.rows; ++r)
-        for (int64_t g = w.g0; g < w.g1; ++g)
-          qptr[r * ng + (g - w.g0)] = q + (qsl[w.seq] + w.row0 + r) * q_stride + g * d;
+  static BlockView at(int64_t rows, int64_t ng, int64_t first_pos, int64_t base, const AttnShape& s) {
+    const int64_t last_pos = first_pos + rows - 1;
+    BlockView b{rows, ng, first_pos, base, 0, 0, 0, 0, false};
+    b.blk_lo = std::max<int64_t>(base, s.window > 0 ? first_pos - s.window + 1 : 0) - base;
+    b.blk_hi = std::min<int64_t>(base + s.bs - 1, last_pos) - base;
+    b.c_lo = b.blk_lo / VecF::N;
+    b.c_hi = b.blk_hi / VecF::N;
+    b.whole = first_pos >= base + s.bs - 1 && (s.window <= 0 || last_pos - s.window + 1 <= base);
+    return b;
+  }
+  // keys [lo, hi] that row r sees, relative to base (lo > hi: none)
+  std::pair<int64_t, int64_t> row_keys(int64_t r, const AttnShape& s) const {
+    const int64_t pos = first_pos + r;
+    return {std::max<int64_t>(base, s.window > 0 ? pos - s.window + 1 : 0) - base,
+            std::min<int64_t>(base + s.bs - 1, pos) - base};
+  }
+};
+
+// One block of a work item on the FMA path: the scores, each (row, head)'s online softmax step,
+// then the values, for all rows and heads at once when every row sees the whole block (the same
+// chains as row by row).
+template <typename E>
+inline void attend_block(const AttnShape s, const TileScratch& t, const BlockView b, const E* kt, const E* vt) {
+  const int64_t d = s.d, bs = s.bs, n_rows = b.rows * b.ng;
+  block_scores(t.qptr, n_rows, Rows<E>{kt, bs}, bs, d, b.c_lo, b.c_hi, t.sblk);
+  for (int64_t r = 0; r < b.rows; ++r) {
+    const auto [k_lo, k_hi] = b.row_keys(r, s);
+    if (k_lo > k_hi) continue;
+    const int64_t n = k_hi - k_lo + 1;
+    for (int64_t i = r * b.ng; i < (r + 1) * b.ng; ++i)
+      online_softmax(t.sblk + i * bs + k_lo, n, s.scale, s.softcap, t.m + i, t.l + i, t.acc + i * d, d);
+    if (!b.whole)
+      accumulate_values(t.acc + r * b.ng * d, t.sblk + r * b.ng * bs + k_lo, bs, b.ng, Rows<E>{vt + k_lo * d, d}, n, d);
+  }
+  if (b.whole) accumulate_values(t.acc, t.sblk, bs, n_rows, Rows<E>{vt, d}, bs, d);
+}
+
 #ifdef __AVX512BF16__
-      if (pairs)
-        for (int64_t i = 0; i < w.rows * ng; ++i)
-          for (int64_t e = 0; e < d; e += VecF::N) VecF::load(qptr[i] + e).store_bf16(qb + i * d + e);
-#endif
-      // One block on the pair path: keys and values paired once per block (a pair partner outside
-      // the tile's keys is zero: its probability is zero for every row), then the same steps.
-      auto attend_pairs = [&](const bf16* kt, const bf16* vt, int64_t base, int64_t blk_lo, int64_t blk_hi,
-                              int64_t c_lo, int64_t c_hi, bool whole) {
-#ifdef __AVX512BF16__
-        {
-          const int64_t d2 = d / 2, b2 = bs / 2;
-          const PairRows kpairs{kt, bs, 0, d - 1}, vpairs{vt, d, blk_lo, blk_hi};
-          const bf16x2* pp = reinterpret_cast<const bf16x2*>(pb);  // [rows][group][bs / 2]
-          for (int64_t i = 0; i < w.rows * ng; ++i) qpair[i] = reinterpret_cast<const bf16x2*>(qb + i * d);
-          // Tiles of many rows pair the block once (kbuf, vbuf); a decode's few rows pair it in
-          // registers as they go. The same pairs either way, so the same bits.
-          const bool pack = w.rows * ng > kScoreQB;
-          const Rows<bf16x2> kp{reinterpret_cast<const bf16x2*>(kbuf), bs}, vp{reinterpret_cast<const bf16x2*>(vbuf), d};
-          if (pack) {
-            for (int64_t e = 0; e < d2; ++e)
-              for (int64_t c = c_lo; c <= c_hi; ++c) kpairs.at(e, c * VecF::N).store(kbuf + e * bs + c * VecF::N);
-            for (int64_t j = blk_lo / 2; j <= blk_hi / 2; ++j)
-              for (int64_t e = 0; e < d; e += VecF::N) vpairs.at(j, e).store(vbuf + j * d + e);
-            block_scores(qpair.data(), w.rows * ng, kp, bs, d2, c_lo, c_hi, sblk);
-          } else {
-            block_scores(qpair.data(), w.rows * ng, kpairs, bs, d2, c_lo, c_hi, sblk);
-          }
-          for (int64_t r = 0; r < w.rows; ++r) {
-            const int64_t pos = first_pos + r;
-            const int64_t k_lo = std::max<int64_t>(base, window > 0 ? pos - window + 1 : 0) - base;
-            const int64_t k_hi = std::min<int64_t>(base + bs - 1, pos) - base;  // inclusive
-            if (k_lo > k_hi) continue;
-            for (int64_t g = 0; g < ng; ++g) {
-              float* sp = sblk + (r * ng + g) * bs;
-              online_softmax(sp + k_lo, k_hi - k_lo + 1, scale, softcap, m + r * ng + g, l + r * ng + g,
-                             acc + (r * ng + g) * d, d);
-              // the row's probabilities as bfloat16 pairs over its whole pairs, zero outside its keys
-              if (k_lo % 2) sp[k_lo - 1] = 0.f;
-              if (k_hi % 2 == 0) sp[k_hi + 1] = 0.f;
-              for (int64_t j = k_lo / VecF::N * VecF::N; j <= k_hi; j += VecF::N)
-                VecF::load(sp + j).store_bf16(pb + (r * ng + g) * bs + j);
-            }
-            if (whole) continue;
-            const int64_t j0 = k_lo / 2, nj = k_hi / 2 - k_lo / 2 + 1;
-            if (pack) accumulate_values(acc + r * ng * d, pp + r * ng * b2 + j0, b2, ng, vp.shift(j0), nj, d);
-            else accumulate_values(acc + r * ng * d, pp + r * ng * b2 + j0, b2, ng, vpairs.shift(j0), nj, d);
-          }
-          if (whole && pack) accumulate_values(acc, pp, b2, w.rows * ng, vp, b2, d);
-          if (whole && !pack) accumulate_values(acc, pp, b2, w.rows * ng, vpairs, b2, d);
-        }
-#endif
-      };
-      for (int64_t b = lo_key / bs; b * bs <= last_pos; ++b) {
-        const int64_t tile = (static_cast<int64_t>(table[b]) * hk + w.kv_head) * bs * d;
-        const int64_t base = b * bs;
-        // keys this tile's rows can see in this block, and the key vectors holding them
-        const int64_t blk_lo = std::max<int64_t>(base, window > 0 ? first_pos - window + 1 : 0) - base;
-        const int64_t blk_hi = std::min<int64_t>(base + bs - 1, last_pos) - base;  // inclusive
-        const int64_t c_lo = blk_lo / VecF::N, c_hi = blk_hi / VecF::N;
-        if ((b + 1) * bs <= last_pos)
-          prefetch_tile(k_cache, v_cache, (static_cast<int64_t>(table[b + 1]) * hk + w.kv_head) * bs * d, bs * d);
-        // Every row of the tile sees the whole block: its values are accumulated for all rows
-        // and heads at once (the same chains as row by row).
-        const bool whole = first_pos >= base + bs - 1 && (window <= 0 || last_pos - window + 1 <= base);
-        auto attend = [&](const auto* kt, const auto* vb) {
-          using E = std::remove_cv_t<std::remove_pointer_t<decltype(kt)>>;
-          block_scores(qptr.data(), w.rows * ng, Rows<E>{kt, bs}, bs, d, c_lo, c_hi, sblk);
-          for (int64_t r = 0; r < w.rows; ++r) {
-            const int64_t pos = first_pos + r;
-            const int64_t k_lo = std::max<int64_t>(base, window > 0 ? pos - window + 1 : 0);
-            const int64_t k_hi = std::min<int64_t>(base + bs - 1, pos);  // inclusive
-            if (k_lo > k_hi) continue;
-            const int64_t n = k_hi - k_lo + 1;
-            for (int64_t g = 0; g < ng; ++g) online_softmax(sblk + (r * ng + g) * bs + (k_lo - base), n, scale, softcap,
-                                                            m + r * ng + g, l + r * ng + g, acc + (r * ng + g) * d, d);
-            if (!whole) accumulate_values(acc + r * ng * d, sblk + r * ng * bs + (k_lo - base), bs, ng,
-                                          Rows<E>{vb + (k_lo - base) * d, d}, n, d);
-          }
-          if (whole) accumulate_values(acc, sblk, bs, w.rows * ng, Rows<E>{vb, d}, bs, d);
-        };
-        if constexpr (kPairs) {
-          if (pairs) {
-            attend_pairs(reinterpret_cast<const bf16*>(k_cache + tile), reinterpret_cast<const bf16*>(v_cache + tile),
-                         base, blk_lo, blk_hi, c_lo, c_hi, whole);
-            continue;
-          }
-        }
-        if constexpr (kWidenInRegisters) {
-          if (direct) {
-            attend(k_cache + tile, v_cache + tile);
-            continue;
-          }
-        }
-        {  // float8, or scaled: widened to float once per block
-          for (int64_t e = 0; e < d; ++e)
-            convert_to_float(kbuf + e * bs + c_lo * VecF::N, k_cache + tile + e * bs + c_lo * VecF::N,
-                             (c_hi - c_lo + 1) * VecF::N, k_scale);
-          convert_to_float(vbuf + blk_lo * d, v_cache + tile + blk_lo * d, (blk_hi - blk_lo + 1) * d, v_scale);
-          attend(static_cast<const float*>(kbuf), static_cast<const float*>(vbuf));
-        }
-      }
-      for (int64_t r = 0; r < w.rows; ++r) {
-        const int64_t tok = qsl[w.seq] + w.row0 + r;
-        for (int64_t g = w.g0; g < w.g1; ++g) {
-          const int64_t st = r * ng + (g - w.g0);
-          const float inv = l[st] > 0.f ? 1.f / l[st] : 0.f;
-          float* o = out + tok * out_stride + g * d;
-          const float* a = acc + st * d;
-          for (int64_t e = 0; e < d; ++e) o[e] = a[e] * inv;
-        }
-      }
+// A row's probabilities p[k_lo, k_hi] as bfloat16 over whole pairs of keys, the partner of an end
+// key outside them zero.
+inline void store_pair_probabilities(float* p, int64_t k_lo, int64_t k_hi, bf16* dst) {
+  if (k_lo % 2) p[k_lo - 1] = 0.f;
+  if (k_hi % 2 == 0) p[k_hi + 1] = 0.f;
+  for (int64_t j = k_lo / VecF::N * VecF::N; j <= k_hi; j += VecF::N) VecF::load(p + j).store_bf16(dst + j);
+}
+
+// One block of a work item on the bfloat16 pair path (vdpbf16ps): keys paired over e, values over
+// the keys (a pair partner outside the tile's keys is zero: its probability is zero for every
+// row), then attend_block's steps on pairs. Tiles of many rows pair the block once (kbuf, vbuf);
+// a decode's few rows pair it in registers as they go: the same pairs either way, so the same bits.
+inline void attend_block_pairs(const AttnShape s, const TileScratch& t, const BlockView b, const bf16* kt,
+                               const bf16* vt) {
+  const int64_t d = s.d, bs = s.bs, d2 = d / 2, b2 = bs / 2, n_rows = b.rows * b.ng;
+  const PairRows kpairs{kt, bs, 0, d - 1}, vpairs{vt, d, b.blk_lo, b.blk_hi};
+  const Rows<bf16x2> kp{reinterpret_cast<const bf16x2*>(t.kbuf), bs}, vp{reinterpret_cast<const bf16x2*>(t.vbuf), d};
+  const bf16x2* pp = reinterpret_cast<const bf16x2*>(t.pb);  // [rows][group][bs / 2]
+  const bool pack = n_rows > kScoreQB;
+  if (pack) {
+    for (int64_t e = 0; e < d2; ++e)
+      for (int64_t c = b.c_lo; c <= b.c_hi; ++c) kpairs.at(e, c * VecF::N).store(t.kbuf + e * bs + c * VecF::N);
+    for (int64_t j = b.blk_lo / 2; j <= b.blk_hi / 2; ++j)
+      for (int64_t e = 0; e < d; e += VecF::N) vpairs.at(j, e).store(t.vbuf + j * d + e);
+    block_scores(t.qpair, n_rows, kp, bs, d2, b.c_lo, b.c_hi, t.sblk);
+  } else {
+    block_scores(t.qpair, n_rows, kpairs, bs, d2, b.c_lo, b.c_hi, t.sblk);
+  }
+  for (int64_t r = 0; r < b.rows; ++r) {
+    const auto [k_lo, k_hi] = b.row_keys(r, s);
+    if (k_lo > k_hi) continue;
+    for (int64_t i = r * b.ng; i < (r + 1) * b.ng; ++i) {
+      float* p = t.sblk + i * bs;
+      online_softmax(p + k_lo, k_hi - k_lo + 1, s.scale, s.softcap, t.m + i, t.l + i, t.acc + i * d, d);
+      store_pair_probabilities(p, k_lo, k_hi, t.pb + i * bs);
     }
+    if (b.whole) continue;
+    const int64_t j0 = k_lo / 2, nj = k_hi / 2 - k_lo / 2 + 1;
+    float* acc = t.acc + r * b.ng * d;
+    if (pack) accumulate_values(acc, pp + r * b.ng * b2 + j0, b2, b.ng, vp.shift(j0), nj, d);
+    else accumulate_values(acc, pp + r * b.ng * b2 + j0, b2, b.ng, vpairs.shift(j0), nj, d);
+  }
+  if (b.whole && pack) accumulate_values(t.acc, pp, b2, n_rows, vp, b2, d);
+  if (b.whole && !pack) accumulate_values(t.acc, pp, b2, n_rows, vpairs, b2, d);
+}
+#endif
+
+// One block of a work item (the cache tile at `tile`) on its dtype's path.
+template <typename T>
+inline void attend_tile_block(const AttnArgs<T>& a, const TileScratch& t, const BlockView& b, int64_t tile,
+                              [[maybe_unused]] bool pairs, [[maybe_unused]] bool direct) {
+  const T* kt = a.k_cache + tile;
+  const T* vt = a.v_cache + tile;
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (pairs) return attend_block_pairs(a, t, b, kt, vt);
+  }
+#endif
+  if constexpr (kWidenInRegisters<T>) {
+    if (direct) return attend_block(a, t, b, kt, vt);
+  }
+  // float8, or scaled: widened to float once per block
+  const int64_t d = a.d, bs = a.bs;
+  for (int64_t e = 0; e < d; ++e)
+    convert_to_float(t.kbuf + e * bs + b.c_lo * VecF::N, kt + e * bs + b.c_lo * VecF::N,
+                     (b.c_hi - b.c_lo + 1) * VecF::N, a.k_scale);
+  convert_to_float(t.vbuf + b.blk_lo * d, vt + b.blk_lo * d, (b.blk_hi - b.blk_lo + 1) * d, a.v_scale);
+  attend_block(a, t, b, static_cast<const float*>(t.kbuf), static_cast<const float*>(t.vbuf));
+}
+
+// A work item's start: running max -inf, sums and accumulators zero, the tile's query vectors
+// (and, on the pair path, their bfloat16 pairs).
+template <typename T>
+inline void start_tile(const AttnArgs<T>& a, const AttnItem& w, const TileScratch& t, [[maybe_unused]] bool pairs) {
+  const int64_t d = a.d, ng = w.g1 - w.g0;
+  for (int64_t i = 0; i < w.rows * ng; ++i) {
+    t.m[i] = -std::numeric_limits<float>::infinity();
+    t.l[i] = 0.f;
+    std::fill(t.acc + i * d, t.acc + (i + 1) * d, 0.f);
+  }
+  for (int64_t r = 0; r < w.rows; ++r)
+    for (int64_t g = w.g0; g < w.g1; ++g)
+      t.qptr[r * ng + (g - w.g0)] = a.q + (a.qsl[w.seq] + w.row0 + r) * a.q_stride + g * d;
+#ifdef __AVX512BF16__
+  if (pairs)
+    for (int64_t i = 0; i < w.rows * ng; ++i) {
+      for (int64_t e = 0; e < d; e += VecF::N) VecF::load(t.qptr[i] + e).store_bf16(t.qb + i * d + e);
+      t.qpair[i] = reinterpret_cast<const bf16x2*>(t.qb + i * d);
+    }
+#endif
+}
+
+// A work item's end: each (row, head)'s accumulator over its sum, into the output.
+template <typename T>
+inline void finish_tile(const AttnArgs<T>& a, const AttnItem& w, const TileScratch& t) {
+  const int64_t d = a.d, ng = w.g1 - w.g0;
+  for (int64_t r = 0; r < w.rows; ++r) {
+    const int64_t tok = a.qsl[w.seq] + w.row0 + r;
+    for (int64_t g = w.g0; g < w.g1; ++g) {
+      const int64_t st = r * ng + (g - w.g0);
+      const float inv = t.l[st] > 0.f ? 1.f / t.l[st] : 0.f;
+      float* o = a.out + tok * a.out_stride + g * d;
+      const float* acc = t.acc + st * d;
+      for (int64_t e = 0; e < d; ++e) o[e] = acc[e] * inv;
+    }
+  }
+}
+
+// One work item: its rows and heads through the sequence's blocks in order.
+template <typename T>
+inline void attend_item(const AttnArgs<T>& a, const AttnItem& w, const TileScratch& t, bool pairs, bool direct) {
+  const int64_t q_len = a.qsl[w.seq + 1] - a.qsl[w.seq];
+  const int64_t first_pos = a.seq_lens[w.seq] - q_len + w.row0;  // position of the tile's first row
+  const int64_t last_pos = first_pos + w.rows - 1;
+  const int64_t lo_key = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) : 0;
+  const int32_t* table = a.block_tables + w.seq * a.max_blocks;
+  auto tile_of = [&](int64_t blk) { return (static_cast<int64_t>(table[blk]) * a.hk + w.kv_head) * a.bs * a.d; };
+  start_tile(a, w, t, pairs);
+  for (int64_t blk = lo_key / a.bs; blk * a.bs <= last_pos; ++blk) {
+    if ((blk + 1) * a.bs <= last_pos) prefetch_tile(a.k_cache, a.v_cache, tile_of(blk + 1), a.bs * a.d);
+    const BlockView b = BlockView::at(w.rows, w.g1 - w.g0, first_pos, blk * a.bs, a);
+    attend_tile_block(a, t, b, tile_of(blk), pairs, direct);
+  }
+  finish_tile(a, w, t);
+}
+
+template <typename T>
+void paged_attention_t(const AttnArgs<T>& a) {
+  const bool direct = kWidenInRegisters<T> && a.k_scale == 1.f && a.v_scale == 1.f;
+  // bfloat16 caches on CPUs with AVX-512 BF16: bfloat16 pair dot products (vdpbf16ps), the
+  // queries and the probabilities rounded to bfloat16 (as torch's bfloat16 attention computes
+  // them), at twice the FMA path's rate.
+  const bool pairs = kBf16PairAttention && std::is_same_v<T, bf16> && direct && a.d % VecF::N == 0;
+  const std::vector<AttnItem>& items = attention_items(a);
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const AttnItem* item_ptr = items.data();
+#pragma omp parallel
+  {
+    const TileScratch t = TileScratch::for_this_thread(a.group, a.d, a.bs);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < n_items; ++it) attend_item(a, item_ptr[it], t, pairs, direct);
   }
 }
 
@@ -451,9 +533,9 @@ void paged_attention_impl(float* out, const float* q, const void* k_cache, const
                           float v_scale) {
   auto run = [&](auto* type_tag) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
-    paged_attention_t(out, q, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), block_tables,
-                      max_blocks, seq_lens, qsl, num_seqs, hq, hk, group, q_off, d, bs, scale, window, softcap,
-                      q_stride, out_stride, k_scale, v_scale);
+    paged_attention_t(AttnArgs<T>{{d, bs, window, scale, softcap}, out, q, static_cast<const T*>(k_cache),
+                                  static_cast<const T*>(v_cache), block_tables, seq_lens, qsl, max_blocks, num_seqs,
+                                  hq, hk, group, q_off, q_stride, out_stride, k_scale, v_scale});
   };
   switch (dt) {
     case DType::F32: return run(static_cast<float*>(nullptr));

@@ -72,6 +72,15 @@ void pack_weight_impl(void* dst, const void* src, DType dt, int64_t n, int64_t k
   }
 }
 
+// Cache lines [first, first + count) from `base`, fetched into L2 while a micro-kernel runs,
+// spread evenly over its k loop: the next weight chunk comes in from memory while this one
+// is multiplied. Without it, the first row tile over each chunk waited on DRAM (a 64-row
+// step's float32 GEMMs ran at 376 GFLOP/s on weights from memory against 446 from cache).
+struct Prefetch {
+  const char* base = nullptr;
+  int64_t first = 0, count = 0;
+};
+
 // MR x (NP panels of NR) micro-kernel over one K block. `first` starts the chain
 // at zero, otherwise it continues from C. `cols` < NR only in the last (padded)
 // panel, which is always handled with NP = 1. Small MR use several panels at
@@ -80,7 +89,7 @@ void pack_weight_impl(void* dst, const void* src, DType dt, int64_t n, int64_t k
 // same single chain, so results do not depend on MR or NP.
 template <int MR, int NP, typename T, typename TA = AOf<T>>
 inline void micro_kernel(const TA* a, int64_t lda, const T* b, int64_t panel_stride, int64_t kc,
-                         float* c, int64_t ldc, bool first, int cols) {
+                         float* c, int64_t ldc, bool first, int cols, Prefetch pf = {}) {
   VecF acc[MR][NP][2];
   alignas(64) float tmp[kNR];
   for (int r = 0; r < MR; ++r)
@@ -99,6 +108,7 @@ inline void micro_kernel(const TA* a, int64_t lda, const T* b, int64_t panel_str
         acc[r][q][1] = VecF::load(tmp + VecF::N);
       }
     }
+  int64_t pf_line = pf.first, pf_acc = 0;
   for (int64_t kk = 0; kk < kc; ++kk) {
     VecF b0[NP], b1[NP];
     for (int q = 0; q < NP; ++q) {
@@ -112,6 +122,7 @@ inline void micro_kernel(const TA* a, int64_t lda, const T* b, int64_t panel_str
         acc[r][q][1] = Madd<T>::apply(av, b1[q], acc[r][q][1]);
       }
     }
+    for (pf_acc += pf.count; pf_acc >= kc; pf_acc -= kc) __builtin_prefetch(pf.base + 64 * pf_line++, 0, 2);
   }
   for (int r = 0; r < MR; ++r)
     for (int q = 0; q < NP; ++q) {
@@ -131,7 +142,7 @@ inline void micro_kernel(const TA* a, int64_t lda, const T* b, int64_t panel_str
 // register budget allows for this mr. Returns nothing; covers the whole range.
 template <typename T, typename TA = AOf<T>>
 inline void micro_rows(int mr, const TA* a, int64_t lda, const T* w, int64_t k, int64_t k0, int64_t kc,
-                       float* c, int64_t ldc, int64_t p, int64_t p1, int64_t n, bool first) {
+                       float* c, int64_t ldc, int64_t p, int64_t p1, int64_t n, bool first, Prefetch pf = {}) {
   const int64_t ps = k * kNR;  // distance between panels
   auto full = [&](int64_t q) { return (q + 1) * kNR <= n; };
   while (p < p1) {
@@ -149,15 +160,31 @@ inline void micro_rows(int mr, const TA* a, int64_t lda, const T* w, int64_t k, 
       continue;
     }
     switch (mr) {
-      case 6: micro_kernel<6, 1>(a, lda, bp, ps, kc, cp, ldc, first, cols); break;
-      case 5: micro_kernel<5, 1>(a, lda, bp, ps, kc, cp, ldc, first, cols); break;
-      case 4: micro_kernel<4, 1>(a, lda, bp, ps, kc, cp, ldc, first, cols); break;
-      case 3: micro_kernel<3, 1>(a, lda, bp, ps, kc, cp, ldc, first, cols); break;
-      case 2: micro_kernel<2, 1>(a, lda, bp, ps, kc, cp, ldc, first, cols); break;
-      default: micro_kernel<1, 1>(a, lda, bp, ps, kc, cp, ldc, first, cols); break;
+      case 6: micro_kernel<6, 1>(a, lda, bp, ps, kc, cp, ldc, first, cols, pf); break;
+      case 5: micro_kernel<5, 1>(a, lda, bp, ps, kc, cp, ldc, first, cols, pf); break;
+      case 4: micro_kernel<4, 1>(a, lda, bp, ps, kc, cp, ldc, first, cols, pf); break;
+      case 3: micro_kernel<3, 1>(a, lda, bp, ps, kc, cp, ldc, first, cols, pf); break;
+      case 2: micro_kernel<2, 1>(a, lda, bp, ps, kc, cp, ldc, first, cols, pf); break;
+      default: micro_kernel<1, 1>(a, lda, bp, ps, kc, cp, ldc, first, cols, pf); break;
     }
     ++p;
   }
+}
+
+// The weight chunk multiplied after panel p's chunk at k0 in a work item over panels [p0, p1):
+// the next panel's, the first panel's at the next K block, or the next work item's first.
+template <typename T>
+inline Prefetch next_chunk(const T* w, int64_t k, int64_t k0, int64_t kc_max, int64_t p, int64_t p0,
+                           int64_t p1, int64_t panels) {
+  int64_t q = p + 1, q0 = k0;
+  if (q == p1) {
+    q = p0;
+    q0 = k0 + kc_max;
+    if (q0 >= k) q = p1 % panels, q0 = 0;
+  }
+  const int64_t kc = std::min(kc_max, k - q0);
+  return {reinterpret_cast<const char*>(w + q * k * kNR + q0 * kNR), 0,
+          static_cast<int64_t>(kc * kNR * sizeof(T) / 64)};
 }
 
 // k counts elements of T (k pairs for bf16x2); a K block's panel chunk is about 24 KB.
@@ -191,11 +218,17 @@ void gemm_t(float* c, const TA* a, const T* w, const float* bias, int64_t m, int
                      n, k0 == 0);
           continue;
         }
-        for (int64_t p = p0; p < p1; ++p)  // one panel chunk reused by every row tile
-          for (int64_t r = m0; r < m1; r += kMR) {
+        const int64_t tiles = (m1 - m0 + kMR - 1) / kMR;
+        for (int64_t p = p0; p < p1; ++p) {  // one panel chunk reused by every row tile
+          // one row tile streams its chunk once: the hardware prefetchers keep up with that alone
+          const Prefetch next = tiles > 1 ? next_chunk(w, k, k0, kc_max, p, p0, p1, panels) : Prefetch{};
+          for (int64_t r = m0, t = 0; r < m1; r += kMR, ++t) {
             const int mr = static_cast<int>(std::min<int64_t>(kMR, m1 - r));
-            micro_rows(mr, a + r * lda + k0, lda, w, k, k0, kc, c + r * ldc, ldc, p, p + 1, n, k0 == 0);
+            const int64_t l0 = t * next.count / tiles, l1 = (t + 1) * next.count / tiles;
+            micro_rows(mr, a + r * lda + k0, lda, w, k, k0, kc, c + r * ldc, ldc, p, p + 1, n, k0 == 0,
+                       Prefetch{next.base, l0, l1 - l0});
           }
+        }
       }
       if (bias != nullptr)
         for (int64_t r = m0; r < m1; ++r)

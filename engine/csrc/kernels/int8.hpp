@@ -17,6 +17,7 @@
 #include <cstring>
 #include <vector>
 #include "../vec/vec.hpp"
+#include "prefetch.hpp"
 
 namespace cpuserve {
 namespace {
@@ -142,9 +143,10 @@ inline void i8_tile(const I8Rows& A, int mr, int np, int64_t r, int64_t p, const
 
 // The int8 GEMMs' batch schedule. Work items: a block of up to 256 rows (its codes stay in L2)
 // x a group of panels (each panel stays in L1/L2 while every row tile of the block runs over
-// it); tile(mr, r, p) computes rows [r, r + mr) x panel p.
+// it); tile(mr, r, p) computes rows [r, r + mr) x panel p. Each panel is `panel_bytes` from
+// `w`; the next one is prefetched a slice before each row tile (kernels/prefetch.hpp).
 template <int MR, typename Tile>
-inline void i8_schedule(int64_t m, int64_t panels, const Tile& tile) {
+inline void i8_schedule(int64_t m, int64_t panels, const void* w, int64_t panel_bytes, const Tile& tile) {
   constexpr int64_t kMC8 = 256;
   const int64_t m_blocks = (m + kMC8 - 1) / kMC8;
   const int64_t per_group = std::max<int64_t>(1, std::min<int64_t>(4, panels * m_blocks / 16));
@@ -152,9 +154,15 @@ inline void i8_schedule(int64_t m, int64_t panels, const Tile& tile) {
 #pragma omp parallel for schedule(static) collapse(2)
   for (int64_t mb = 0; mb < m_blocks; ++mb)
     for (int64_t g = 0; g < groups; ++g)
-      for (int64_t p = g * per_group; p < std::min(panels, (g + 1) * per_group); ++p)
-        for (int64_t r = mb * kMC8; r < std::min(m, (mb + 1) * kMC8); r += MR)
+      for (int64_t p = g * per_group; p < std::min(panels, (g + 1) * per_group); ++p) {
+        const int64_t r0 = mb * kMC8, r1 = std::min(m, r0 + kMC8), tiles = (r1 - r0 + MR - 1) / MR;
+        const Prefetch next = Prefetch::bytes(static_cast<const char*>(w) + (p + 1) % panels * panel_bytes,
+                                              tiles > 1 ? panel_bytes : 0);
+        for (int64_t r = r0, t = 0; r < r1; r += MR, ++t) {
+          next.slice(t, tiles).issue();
           tile(static_cast<int>(std::min<int64_t>(MR, m - r)), r, p);
+        }
+      }
 }
 
 void i8gemm_impl(float* c, const float* a, const uint8_t* w, const float* bias, int64_t m, int64_t n, int64_t k,
@@ -187,7 +195,7 @@ void i8gemm_impl(float* c, const float* a, const uint8_t* w, const float* bias, 
       }
     return;
   }
-  i8_schedule<kI8MR>(m, panels, [&](int mr, int64_t r, int64_t p) {
+  i8_schedule<kI8MR>(m, panels, wq, kp * kI8NR, [&](int mr, int64_t r, int64_t p) {
     i8_tile(A, mr, 1, r, p, wq, sums, scales, bias, c, n, ldc);
   });
 }

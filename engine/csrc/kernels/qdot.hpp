@@ -208,7 +208,7 @@ void qd_gemm_t(float* c, const float* a, const uint8_t* w, const float* bias, in
     for (int64_t p = 0; p < panels; ++p) qd_tile<G, NIB>(A, static_cast<int>(m), 0, p, w, ps, bias, c, n, ldc);
     return;
   }
-  i8_schedule<kQdMR>(m, panels, [&](int mr, int64_t r, int64_t p) {
+  i8_schedule<kQdMR>(m, panels, w, ps, [&](int mr, int64_t r, int64_t p) {
     qd_tile<G, NIB>(A, mr, r, p, w, ps, bias, c, n, ldc);
   });
 }

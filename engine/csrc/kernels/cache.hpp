@@ -5,6 +5,8 @@
 // over head_dim per key, with no horizontal sums. One (block, head) is a contiguous tile.
 #pragma once
 #include <type_traits>
+#include <utility>
+#include <vector>
 #include "../vec/vec.hpp"
 
 namespace cpuserve {
@@ -24,22 +26,58 @@ inline void convert_row(T* dst, const float* src, int64_t n, float inv_scale) {
   for (; i < n; ++i) dst[i] = from_float<T>(src[i] * inv_scale);
 }
 
+// Runs of at most kRun tokens whose slots follow one another in one block: [first token, count).
+// A prompt's tokens are runs of kRun (a float32 cache line of a key dimension; enough runs to
+// share among the threads), a decode step's one token per sequence.
+constexpr int64_t kRun = 16;
+
+inline const std::vector<std::pair<int64_t, int64_t>>& slot_runs(const int64_t* slot_mapping, int64_t tokens,
+                                                                 int64_t block_size) {
+  thread_local std::vector<std::pair<int64_t, int64_t>> runs;
+  runs.clear();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t slot = slot_mapping[t];
+    if (slot < 0) continue;
+    if (!runs.empty()) {
+      auto& [t0, n] = runs.back();
+      if (n < kRun && t0 + n == t && slot_mapping[t0] + n == slot && slot % block_size != 0) {
+        ++n;
+        continue;
+      }
+    }
+    runs.emplace_back(t, 1);
+  }
+  return runs;
+}
+
+// Keys of n tokens into their transposed block tile from column `kt`: along each row of the
+// tile (one key dimension) the n tokens are consecutive, so every cache line written is written
+// whole, one after the other (a token at a time wrote one float in each of head_dim lines).
+template <typename T>
+inline void cache_keys(T* kt, const float* key, int64_t key_stride, int64_t n, int64_t d, int64_t block_size,
+                       float k_inv) {
+  for (int64_t e = 0; e < d; ++e)
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = key[i * key_stride + e];
+      kt[e * block_size + i] = from_float<T>(k_inv == 1.f ? x : x * k_inv);
+    }
+}
+
 template <typename T>
 void reshape_and_cache_t(const float* key, const float* value, T* k_cache, T* v_cache,
                          const int64_t* slot_mapping, int64_t tokens, int64_t heads, int64_t d,
                          int64_t block_size, int64_t key_stride, int64_t value_stride, float k_inv, float v_inv) {
+  const auto& runs = slot_runs(slot_mapping, tokens, block_size);
+  const int64_t items = static_cast<int64_t>(runs.size()) * heads;
 #pragma omp parallel for schedule(static) if (tokens > 8)
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int64_t slot = slot_mapping[t];
-    if (slot < 0) continue;
-    const int64_t block = slot / block_size, off = slot % block_size;
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t dst = ((block * heads + h) * block_size + off) * d;
-      convert_row(v_cache + dst, value + t * value_stride + h * d, d, v_inv);
-      T* kt = k_cache + (block * heads + h) * d * block_size + off;
-      const float* kr = key + t * key_stride + h * d;
-      for (int64_t e = 0; e < d; ++e) kt[e * block_size] = from_float<T>(k_inv == 1.f ? kr[e] : kr[e] * k_inv);
-    }
+  for (int64_t it = 0; it < items; ++it) {
+    const auto [t0, n] = runs[it / heads];
+    const int64_t h = it % heads, slot = slot_mapping[t0];
+    const int64_t block = slot / block_size, off = slot % block_size, tile = block * heads + h;
+    for (int64_t i = 0; i < n; ++i)
+      convert_row(v_cache + (tile * block_size + off + i) * d, value + (t0 + i) * value_stride + h * d, d, v_inv);
+    cache_keys(k_cache + tile * d * block_size + off, key + t0 * key_stride + h * d, key_stride, n, d, block_size,
+               k_inv);
   }
 }
 

@@ -70,14 +70,27 @@ def test_gelu_and_mul(kern, approximate):
                                rtol=1e-5, atol=1e-5)
 
 
+def prompt_slots(block_size: int) -> torch.Tensor:
+    """Slots as prompts have them: runs of consecutive slots, longer than the kernel's 16-token
+    runs, crossing a block boundary, broken by a padding slot and by a jump to another block."""
+    first = torch.arange(block_size - 5, block_size + 30)            # block 0's tail into block 1
+    second = torch.arange(4 * block_size + 3, 4 * block_size + 24)  # mid-block in block 4
+    return torch.cat([first[:20], torch.tensor([-1]), first[20:], second])
+
+
 @pytest.mark.parametrize("dtype", STORAGE)
 @pytest.mark.parametrize("block_size", [16, 32, 128])
-def test_reshape_and_cache(kern, dtype, block_size):
+@pytest.mark.parametrize("pattern", ["scattered", "prompt"])
+def test_reshape_and_cache(kern, dtype, block_size, pattern):
     torch.manual_seed(block_size)
-    t, hk, d, nblocks = 13, 3, 40, 6
+    hk, d, nblocks = 3, 40, 6
+    if pattern == "prompt":
+        slots = prompt_slots(block_size)
+    else:
+        slots = torch.randperm(nblocks * block_size)[:13]
+        slots[4] = -1  # padding slot: skipped
+    t = len(slots)
     key, value = torch.randn(t, hk * d), torch.randn(t, hk * d)
-    slots = torch.randperm(nblocks * block_size)[:t]
-    slots[4] = -1  # padding slot: skipped
     k_shape, v_shape = ops.cache_shapes(nblocks, hk, block_size, d)
     kc, vc = torch.zeros(k_shape, dtype=dtype), torch.zeros(v_shape, dtype=dtype)
     kr, vr = kc.clone(), vc.clone()

@@ -172,7 +172,7 @@ class PackedWeight:
         self.dtype = weight.dtype
         nr = k.gemm_nr
         panels = (self.n + nr - 1) // nr
-        self.data = torch.empty(panels * nr * (self.k + self.k % 2), dtype=weight.dtype)  # bf16 pairs: K even
+        self.data = _weight_buffer(panels * nr * (self.k + self.k % 2), weight.dtype)  # bf16 pairs: K even
         k.pack_weight(self.data.data_ptr(), weight.data_ptr(), _dtype_code(weight.dtype), self.n, self.k)
 
     @property
@@ -195,7 +195,7 @@ class QuantWeight:
         self.qtype, self.int8_dot = weight.qtype, int8_dot
         self.type_name = weight.type_name + (" x int8" if int8_dot else "")
         size = k.qdpacked_bytes(self.qtype, self.n, self.k) if int8_dot else k.qpacked_bytes(self.qtype, self.n, self.k)
-        self.data = torch.empty(size, dtype=torch.uint8)
+        self.data = _weight_buffer(size, torch.uint8)
         (k.qdpack if int8_dot else k.qpack)(self.data.data_ptr(), weight.data.data_ptr(), self.qtype, self.n, self.k)
 
     @property
@@ -213,7 +213,7 @@ class Int8Weight:
         self.n, self.k = weight.shape
         self.act_asym = weight.act_asym
         data = weight.data.contiguous()
-        self.data = torch.empty(k.i8packed_bytes(self.n, self.k), dtype=torch.uint8)
+        self.data = _weight_buffer(k.i8packed_bytes(self.n, self.k), torch.uint8)
         k.i8pack(self.data.data_ptr(), data.data_ptr(), weight.scale.data_ptr(), self.n, self.k)
 
     @property
@@ -277,6 +277,25 @@ def quantized_activations(mode: str):
         yield
     finally:
         _ACTIVATIONS.reset(token)
+
+
+_WEIGHT_ARENA = contextvars.ContextVar("weight_arena", default=None)
+
+
+@contextlib.contextmanager
+def weights_in(arena):
+    """Within: packed weights are placed in `arena` (platform.pages.HugeArena: huge pages),
+    else each in its own torch.empty."""
+    token = _WEIGHT_ARENA.set(arena)
+    try:
+        yield
+    finally:
+        _WEIGHT_ARENA.reset(token)
+
+
+def _weight_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    arena = _WEIGHT_ARENA.get()
+    return torch.empty(numel, dtype=dtype) if arena is None else arena.empty(numel, dtype)
 
 
 def pack(weight, dtype: torch.dtype):

@@ -18,6 +18,7 @@ from cpuserve.model_executor import models, ops
 from cpuserve.model_executor.context import ForwardContext, set_context
 from cpuserve.model_executor.models.common import Weights
 from cpuserve.model_executor.parallel import TPGroup
+from cpuserve.platform import pages
 from cpuserve.platform.isa import resolve_dtype, resolve_kv_dtype
 from cpuserve.platform.malloc import tune_malloc
 from cpuserve.worker import kv_cache
@@ -170,7 +171,7 @@ class ModelRunner:
 
     def _load(self, cls) -> None:
         """Weights, then the KV cache; rank 0 then waits for the other ranks to be ready."""
-        with ops.quantized_activations(self.config.quantized_activations):
+        with ops.quantized_activations(self.config.quantized_activations), ops.weights_in(pages.HugeArena()):
             self.model = cls(self.hf_config, Weights(load_state_dict(self.model_dir, self.quantization)), self.dtype,
                              self.tp)
         self.weight_bytes = tensor_bytes(self.model)  # before the KV cache is bound to the layers

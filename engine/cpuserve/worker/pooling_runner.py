@@ -17,6 +17,7 @@ from cpuserve.model_executor import ops
 from cpuserve.model_executor.models import model_class
 from cpuserve.model_executor.models.common import Weights
 from cpuserve.model_executor.pooling import Pooling
+from cpuserve.platform import pages
 from cpuserve.worker.input_batch import blocks_for
 
 log = logging.getLogger("cpuserve")
@@ -54,7 +55,7 @@ class EncoderRunner:
         self.dtype = torch.float32
         self.tp, self.binding, self.ranks = start_rank0(config, str(self.model_dir))
         self.quantization = checkpoint_quantization(self.model_dir, config.quantization)
-        with ops.quantized_activations(config.quantized_activations):
+        with ops.quantized_activations(config.quantized_activations), ops.weights_in(pages.HugeArena()):
             self.model = model_class(self.hf_config)(
                 self.hf_config, Weights(load_state_dict(self.model_dir, self.quantization)), self.dtype)
         self.pooling = Pooling.from_dir(self.model_dir, decoder=False)

@@ -1,0 +1,101 @@
+"""How the model's two large, long-lived allocations get their pages.
+
+Linux backs anonymous memory with 4 KiB pages, faulted in on first touch, unless a mapping
+asks for more:
+- **Packed GEMM weights on transparent huge pages** (MADV_HUGEPAGE; /sys/kernel/mm/
+  transparent_hugepage/enabled is "madvise" on most distributions). A decode step streams every
+  weight through the TLB; from 2 MiB pages the batch-1 float32 GEMVs over the default model
+  read 2-3% faster (AMD EPYC, 2 CPUs). Weights are hundreds of tensors, most below 2 MiB, so
+  they are placed one after another in 64 MiB regions (`HugeArena`). The cost is at load:
+  the kernel zeroes (and may compact memory for) 2 MiB at a time, +0.5 s for float32's 540 MB.
+- **The KV cache populated ahead of use** (MADV_POPULATE_WRITE, Linux 5.14+, from a background
+  thread once it is allocated). Left to fault in as blocks fill, a 128-token float32 prefill took
+  a page fault every 4 KiB of keys and values: 1.7 ms of it, in every request until the whole
+  cache had been through use once (the prefix cache's LRU order hands out every never-used block
+  first). Populating writes nothing, so it runs while the engine already serves. The cache's
+  memory is then committed from the start, as vLLM's is (its cache is torch.zeros): what the
+  container's limit was checked against at startup. Huge pages were tried for the cache too:
+  faulted in while serving, the kernel compacted memory for them in the request's time (11-14 ms
+  a 128-token prefill), so it keeps 4 KiB pages.
+CPUSERVE_HUGEPAGES=0 keeps the weights on 4 KiB pages; CPUSERVE_KV_POPULATE=0 leaves the cache to
+fault in as it is used.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import threading
+
+import torch
+
+log = logging.getLogger("cpuserve.platform")
+
+MADV_POPULATE_WRITE = 23  # linux/mman.h (Python's mmap module names it from 3.12 on)
+PAGE = mmap.PAGESIZE
+HUGE = 2 << 20        # the x86-64 and arm64 (4 KiB granule) transparent huge page
+CHUNK = 64 << 20      # an arena region
+ALIGN = 64            # each tensor's start: a cache line, as torch.empty's
+
+
+def enabled(environ=os.environ) -> bool:
+    return environ.get("CPUSERVE_HUGEPAGES", "1") != "0"
+
+
+def huge_empty(nbytes: int, advise: bool = True) -> torch.Tensor:
+    """An uninitialized uint8 tensor of nbytes in its own anonymous mapping, starting on a 2 MiB
+    boundary, the mapping advised MADV_HUGEPAGE. The tensor keeps the mapping alive."""
+    m = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if advise and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel built without transparent huge pages
+            pass
+    whole = torch.frombuffer(m, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE
+    return whole[start:start + nbytes]
+
+
+def populate_ahead(t: torch.Tensor, environ=os.environ) -> threading.Thread | None:
+    """Faults in every page of t's memory from a daemon thread (MADV_POPULATE_WRITE: the pages a
+    write would fault in, their contents untouched), 64 MiB per call so that exiting is never
+    held up. Returns the thread, or None where turned off (CPUSERVE_KV_POPULATE=0)."""
+    if environ.get("CPUSERVE_KV_POPULATE", "1") == "0":
+        return None
+    start = -(-t.data_ptr() // PAGE) * PAGE
+    end = (t.data_ptr() + t.numel() * t.element_size()) // PAGE * PAGE
+    th = threading.Thread(target=_populate, args=(t, start, end), name="cpuserve-kv-populate", daemon=True)
+    th.start()
+    return th
+
+
+def _populate(keep: torch.Tensor, start: int, end: int) -> None:
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes, madvise.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
+    for at in range(start, end, CHUNK):
+        if madvise(at, min(CHUNK, end - at), MADV_POPULATE_WRITE) != 0:
+            log.info("KV cache left to fault in as it is used (MADV_POPULATE_WRITE: %s)",
+                     os.strerror(ctypes.get_errno()))
+            return
+
+
+class HugeArena:
+    """Tensors placed one after another (each on a cache line) in 64 MiB huge-page regions; one
+    larger than a quarter of a region gets a mapping of its own. A region is unmapped when the
+    last tensor in it is freed."""
+
+    def __init__(self, chunk: int = CHUNK, environ=os.environ):
+        self.chunk, self.advise = chunk, enabled(environ)
+        self.region: torch.Tensor | None = None
+        self.used = 0
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        if nbytes > self.chunk // 4:
+            return huge_empty(nbytes, self.advise).view(dtype)
+        if self.region is None or self.used + nbytes > self.chunk:
+            self.region, self.used = huge_empty(self.chunk, self.advise), 0
+        t = self.region[self.used:self.used + nbytes].view(dtype)
+        self.used += -(-nbytes // ALIGN) * ALIGN
+        return t

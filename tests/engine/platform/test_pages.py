@@ -1,0 +1,101 @@
+"""Pages of the long-lived allocations (platform/pages.py): the weights' huge-page arena (where
+tensors land, that they stay valid once nothing but the tensor refers to the mapping, that the
+model's weights are in mappings advised MADV_HUGEPAGE: the `hg` flag in /proc/self/smaps), and the
+KV cache populated ahead of use without a byte of it changed."""
+from __future__ import annotations
+
+import gc
+import threading
+
+import torch
+
+from cpuserve.platform import pages
+
+
+def mapping(ptr: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping holding address ptr."""
+    fields: dict[str, str] | None = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head, _, rest = line.partition(" ")
+            if "-" in head and ":" not in head:
+                if fields is not None:
+                    return fields
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                fields = {} if lo <= ptr < hi else None
+            elif fields is not None:
+                fields[head.rstrip(":")] = rest.strip()
+    if fields is None:
+        raise AssertionError(f"{ptr:#x} is in no mapping")
+    return fields
+
+
+def advised(ptr: int) -> bool:
+    """Whether the mapping holding address ptr carries MADV_HUGEPAGE."""
+    return "hg" in mapping(ptr)["VmFlags"].split()
+
+
+def resident(ptr: int) -> int:
+    return int(mapping(ptr)["Rss"].split()[0]) << 10
+
+
+def test_huge_empty_starts_on_a_huge_page_and_outlives_its_names():
+    t = pages.huge_empty(3 << 20)
+    assert t.dtype == torch.uint8 and t.numel() == 3 << 20
+    assert t.data_ptr() % pages.HUGE == 0
+    assert advised(t.data_ptr())
+    v = t.view(torch.float32)
+    del t
+    gc.collect()
+    v.fill_(2.0)  # the mapping is alive while a view of it is
+    assert v.sum().item() == 2.0 * v.numel()
+
+
+def test_not_advised_when_turned_off():
+    arena = pages.HugeArena(environ={"CPUSERVE_HUGEPAGES": "0"})
+    assert not advised(arena.empty(1 << 20, torch.float32).data_ptr())
+
+
+def test_arena_packs_tensors_on_cache_lines_and_opens_regions_as_needed():
+    arena = pages.HugeArena(chunk=4 << 20, environ={})
+    a = arena.empty(10, torch.float32)   # 40 bytes -> the next starts a cache line later
+    b = arena.empty(100, torch.bfloat16)
+    assert b.data_ptr() - a.data_ptr() == 64 and a.data_ptr() % pages.HUGE == 0
+    big = arena.empty(2 << 20, torch.uint8)  # over a quarter of a region: a mapping of its own
+    c = arena.empty(16, torch.float32)
+    assert c.data_ptr() == b.data_ptr() + 256 and big.data_ptr() % pages.HUGE == 0
+    d = arena.empty((1 << 20) - 16, torch.uint8)
+    e = arena.empty(1 << 20, torch.float32)  # does not fit what is left: a new region
+    assert e.data_ptr() % pages.HUGE == 0 and e.data_ptr() != a.data_ptr()
+    assert advised(a.data_ptr()) and advised(e.data_ptr()) and advised(big.data_ptr())
+    del arena
+    gc.collect()
+    for t, x in ((a, 1), (b, 2), (c, 3), (d, 4), (e, 5), (big, 6)):
+        t.fill_(x)
+    assert a[0].item() == 1 and b[-1].item() == 2 and c[0].item() == 3 and d[-1].item() == 4 and e[-1].item() == 5
+
+
+def test_the_models_weights_are_on_huge_pages_and_its_kv_cache_is_populated(llm_f32):
+    runner = llm_f32.engine.runner
+    layer = runner.model.layers[0]
+    for packed in (layer.qkv.weight, layer.down.weight, runner.model.lm_head.weight):
+        assert advised(packed.data.data_ptr())
+    cache = runner.kv_cache
+    populating = [t for t in threading.enumerate() if t.name == "cpuserve-kv-populate"]
+    for t in populating:
+        t.join(60)
+    assert resident(cache.data_ptr()) >= cache.numel() * cache.element_size()
+
+
+def test_populating_commits_every_page_and_changes_no_byte():
+    t = torch.empty(96 << 20, dtype=torch.uint8)  # a mapping of its own (glibc: > 32 MiB)
+    before = resident(t.data_ptr())
+    written = torch.arange(0, t.numel(), 5 << 20)
+    t[written] = 7  # a few pages already touched, with contents to keep
+    th = pages.populate_ahead(t, environ={})
+    th.join(60)
+    assert not th.is_alive()
+    assert resident(t.data_ptr()) - before >= t.numel() - (8 << 10)  # all but the unaligned ends
+    assert torch.all(t[written] == 7)
+    assert pages.populate_ahead(t, environ={"CPUSERVE_KV_POPULATE": "0"}) is None
+

@@ -91,7 +91,7 @@ class HugeArena:
         self.used = 0
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = numel * dtype.itemsize
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()  # (torch 1.13: no dtype.itemsize)
         if nbytes > self.chunk // 4:
             return huge_empty(nbytes, self.advise).view(dtype)
         if self.region is None or self.used + nbytes > self.chunk:

@@ -36,19 +36,19 @@ def checkpoint_dtype(hf_config) -> torch.dtype | None:
 
 
 def tensor_bytes(root) -> int:
-    """Bytes of every tensor reachable from `root` (each storage counted once)."""
-    seen_obj, seen_storage, total, stack = set(), set(), 0, [root]
+    """Bytes of every tensor reachable from `root`: the union of the address ranges their
+    elements span, so that views of one tensor count once and tensors placed side by side in one
+    region (platform/pages.py's weight arena) count their own bytes, not the region's."""
+    ranges, seen_obj, stack = [], set(), [root]
     while stack:
         obj = stack.pop()
         if id(obj) in seen_obj:
             continue
         seen_obj.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            # torch < 2.0 (Debian's 1.13 in the images) has no Tensor.untyped_storage
-            st = obj.untyped_storage() if hasattr(obj, "untyped_storage") else obj.storage().untyped()
-            if st.data_ptr() not in seen_storage:
-                seen_storage.add(st.data_ptr())
-                total += st.nbytes()
+            if obj.numel():
+                span = sum((n - 1) * abs(st) for n, st in zip(obj.shape, obj.stride())) + 1
+                ranges.append((obj.data_ptr(), obj.data_ptr() + span * obj.element_size()))
         elif isinstance(obj, (list, tuple, set)):
             stack.extend(obj)
         elif isinstance(obj, dict):
@@ -58,6 +58,15 @@ def tensor_bytes(root) -> int:
             for name in getattr(type(obj), "__slots__", ()):
                 if hasattr(obj, name):
                     stack.append(getattr(obj, name))
+    return _union_bytes(ranges)
+
+
+def _union_bytes(ranges: list[tuple[int, int]]) -> int:
+    total, end = 0, 0
+    for lo, hi in sorted(ranges):
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
     return total
 
 

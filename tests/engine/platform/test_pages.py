@@ -88,7 +88,7 @@ def test_the_models_weights_are_on_huge_pages_and_its_kv_cache_is_populated(llm_
 
 
 def test_populating_commits_every_page_and_changes_no_byte():
-    t = torch.empty(96 << 20, dtype=torch.uint8)  # a mapping of its own (glibc: > 32 MiB)
+    t = pages.huge_empty(96 << 20, advise=False)  # a fresh mapping of its own: nothing resident yet
     before = resident(t.data_ptr())
     written = torch.arange(0, t.numel(), 5 << 20)
     t[written] = 7  # a few pages already touched, with contents to keep
@@ -99,3 +99,14 @@ def test_populating_commits_every_page_and_changes_no_byte():
     assert torch.all(t[written] == 7)
     assert pages.populate_ahead(t, environ={"CPUSERVE_KV_POPULATE": "0"}) is None
 
+
+
+def test_weight_bytes_count_each_arena_tensor_and_each_view_once():
+    from cpuserve.worker.model_runner import tensor_bytes
+
+    arena = pages.HugeArena(environ={})
+    a, b = arena.empty(1000, torch.float32), arena.empty(10, torch.float32)  # 4,000 and 40 bytes
+    plain = torch.empty(8, 16)
+    model = {"a": a, "again": a[10:20], "b": [b, b.view(2, 5)], "plain": plain, "column": plain[:, 3]}
+    assert tensor_bytes(model) == 4000 + 40 + 8 * 16 * 4
+    assert tensor_bytes(plain[2:4]) == 2 * 16 * 4

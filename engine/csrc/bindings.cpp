@@ -78,6 +78,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("bind_omp_threads", &cpuserve::bind_omp_threads, py::arg("cpus"), py::arg("mem_node") = -1,
         "pin OpenMP thread i to cpus[i] (and bind its memory); returns (affinity errno, mempolicy errno)");
   m.def("omp_thread_cpus", &cpuserve::omp_thread_cpus);
+  m.def("populate", [](uintptr_t p, size_t n) {
+    py::gil_scoped_release release;
+    return cpuserve::populate(reinterpret_cast<void*>(p), n);
+  }, "fault in [p, p + n)'s pages as writes would, contents unchanged, over the OpenMP threads; errno or 0");
 
   // -- tensor-parallel communication over shared memory
   using cpuserve::ShmComm;

@@ -8,32 +8,27 @@ asks for more:
   read 2-3% faster (AMD EPYC, 2 CPUs). Weights are hundreds of tensors, most below 2 MiB, so
   they are placed one after another in 64 MiB regions (`HugeArena`). The cost is at load:
   the kernel zeroes (and may compact memory for) 2 MiB at a time, +0.5 s for float32's 540 MB.
-- **The KV cache populated ahead of use** (MADV_POPULATE_WRITE, Linux 5.14+, from a background
-  thread once it is allocated). Left to fault in as blocks fill, a 128-token float32 prefill took
-  a page fault every 4 KiB of keys and values: 1.7 ms of it, in every request until the whole
-  cache had been through use once (the prefix cache's LRU order hands out every never-used block
-  first). Populating writes nothing, so it runs while the engine already serves. The cache's
-  memory is then committed from the start, as vLLM's is (its cache is torch.zeros): what the
-  container's limit was checked against at startup. Huge pages were tried for the cache too:
-  faulted in while serving, the kernel compacted memory for them in the request's time (11-14 ms
-  a 128-token prefill), so it keeps 4 KiB pages.
+- **The KV cache populated before the engine is ready** (MADV_POPULATE_WRITE, Linux 5.14+, over
+  the rank's OpenMP threads: 4 GiB in 0.66 s on 2 CPUs). Left to fault in as blocks fill, a
+  128-token float32 prefill took a page fault every 4 KiB of keys and values: 1.7 ms of it, in
+  every request until the whole cache had been through use once (the prefix cache's LRU order
+  hands out every never-used block first). The cache's memory is then committed from the
+  start, as vLLM's is (its cache is torch.zeros): what the container's limit was checked against
+  at startup. Populating from a background thread instead was tried: on 2 CPUs it took one from
+  the first seconds of work (offline bfloat16 throughput -20%). Huge pages for the cache were
+  tried too: faulted in while serving, the kernel compacted memory for them in the request's
+  time (11-14 ms a 128-token prefill), so the cache keeps 4 KiB pages.
 CPUSERVE_HUGEPAGES=0 keeps the weights on 4 KiB pages; CPUSERVE_KV_POPULATE=0 leaves the cache to
 fault in as it is used.
 """
 from __future__ import annotations
 
-import ctypes
-import logging
 import mmap
 import os
-import threading
+import time
 
 import torch
 
-log = logging.getLogger("cpuserve.platform")
-
-MADV_POPULATE_WRITE = 23  # linux/mman.h (Python's mmap module names it from 3.12 on)
-PAGE = mmap.PAGESIZE
 HUGE = 2 << 20        # the x86-64 and arm64 (4 KiB granule) transparent huge page
 CHUNK = 64 << 20      # an arena region
 ALIGN = 64            # each tensor's start: a cache line, as torch.empty's
@@ -57,27 +52,18 @@ def huge_empty(nbytes: int, advise: bool = True) -> torch.Tensor:
     return whole[start:start + nbytes]
 
 
-def populate_ahead(t: torch.Tensor, environ=os.environ) -> threading.Thread | None:
-    """Faults in every page of t's memory from a daemon thread (MADV_POPULATE_WRITE: the pages a
-    write would fault in, their contents untouched), 64 MiB per call so that exiting is never
-    held up. Returns the thread, or None where turned off (CPUSERVE_KV_POPULATE=0)."""
+def populate(t: torch.Tensor, environ=os.environ) -> str:
+    """Faults in every page of t's memory (their contents untouched) before it is used; says
+    what was done, for the start-up log. CPUSERVE_KV_POPULATE=0 leaves it to fault in."""
     if environ.get("CPUSERVE_KV_POPULATE", "1") == "0":
-        return None
-    start = -(-t.data_ptr() // PAGE) * PAGE
-    end = (t.data_ptr() + t.numel() * t.element_size()) // PAGE * PAGE
-    th = threading.Thread(target=_populate, args=(t, start, end), name="cpuserve-kv-populate", daemon=True)
-    th.start()
-    return th
+        return "left to fault in as it is used (CPUSERVE_KV_POPULATE=0)"
+    from cpuserve import _C
 
-
-def _populate(keep: torch.Tensor, start: int, end: int) -> None:
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes, madvise.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
-    for at in range(start, end, CHUNK):
-        if madvise(at, min(CHUNK, end - at), MADV_POPULATE_WRITE) != 0:
-            log.info("KV cache left to fault in as it is used (MADV_POPULATE_WRITE: %s)",
-                     os.strerror(ctypes.get_errno()))
-            return
+    t0 = time.perf_counter()
+    err = _C.populate(t.data_ptr(), t.numel() * t.element_size())
+    if err:
+        return f"left to fault in as it is used (MADV_POPULATE_WRITE: {os.strerror(err)})"
+    return f"populated in {time.perf_counter() - t0:.2f} s"
 
 
 class HugeArena:

@@ -3,12 +3,16 @@ rank's NUMA node beside the weights, and the one allocation every attention
 layer's keys and values are views of."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from cpuserve.config import DEFAULT_KV_CACHE_GIB, GiB, EngineConfig
 from cpuserve.model_executor import ops
 from cpuserve.model_executor.parallel import TPGroup
 from cpuserve.platform import pages
+
+log = logging.getLogger("cpuserve.worker")
 
 
 def block_bytes(layers, kv_dtype: torch.dtype, block_size: int) -> int:
@@ -152,11 +156,11 @@ def process_baseline() -> int:
 
 def allocate(layers, blocks: int, block_size: int, kv_dtype: torch.dtype) -> torch.Tensor:
     """One tensor for every layer's keys and values, bound to the layers as views. Its pages are
-    faulted in from a background thread (platform/pages.py): a page fault every 4 KiB of keys and
-    values written cost a 128-token prefill 1.7 ms until the cache had been used through once."""
+    faulted in before it is used (platform/pages.py): a page fault every 4 KiB of keys and values
+    written cost a 128-token prefill 1.7 ms until the cache had been used through once."""
     a = layers[0]
     cache = torch.empty((len(layers), 2, blocks, a.num_kv_heads, block_size, a.head_dim), dtype=kv_dtype)
-    pages.populate_ahead(cache)
+    log.info("KV cache of %.2f GiB: %s", cache.numel() * cache.element_size() / GiB, pages.populate(cache))
     k_shape, _ = ops.cache_shapes(blocks, a.num_kv_heads, block_size, a.head_dim)
     for i, layer in enumerate(layers):  # keys transposed in each block (ops.cache_shapes)
         layer.k_cache, layer.v_cache = cache[i, 0].view(k_shape), cache[i, 1]

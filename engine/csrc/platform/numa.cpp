@@ -2,10 +2,13 @@
 
 #include <omp.h>
 #include <sched.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 
 namespace cpuserve {
@@ -90,6 +93,30 @@ std::vector<int> omp_thread_cpus() {
 #pragma omp parallel num_threads(n)
   out[omp_get_thread_num()] = sched_getcpu();
   return out;
+}
+
+int populate(void* p, size_t n) {
+#ifdef MADV_POPULATE_WRITE
+  constexpr int kPopulateWrite = MADV_POPULATE_WRITE;
+#else
+  constexpr int kPopulateWrite = 23;  // linux/mman.h, for older C library headers
+#endif
+  constexpr uintptr_t kChunk = 64u << 20;
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t lo = (reinterpret_cast<uintptr_t>(p) + page - 1) / page * page;
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(p) + n) / page * page;
+  if (hi <= lo) return 0;
+  const int64_t chunks = static_cast<int64_t>((hi - lo + kChunk - 1) / kChunk);
+  int err = 0;
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uintptr_t at = lo + static_cast<uintptr_t>(c) * kChunk;
+    if (madvise(reinterpret_cast<void*>(at), std::min<uintptr_t>(kChunk, hi - at), kPopulateWrite) != 0) {
+#pragma omp critical
+      if (err == 0) err = errno;
+    }
+  }
+  return err;
 }
 
 }  // namespace cpuserve

@@ -1,11 +1,10 @@
 """Pages of the long-lived allocations (platform/pages.py): the weights' huge-page arena (where
 tensors land, that they stay valid once nothing but the tensor refers to the mapping, that the
 model's weights are in mappings advised MADV_HUGEPAGE: the `hg` flag in /proc/self/smaps), and the
-KV cache populated ahead of use without a byte of it changed."""
+KV cache populated before use without a byte of it changed."""
 from __future__ import annotations
 
 import gc
-import threading
 
 import torch
 
@@ -81,9 +80,6 @@ def test_the_models_weights_are_on_huge_pages_and_its_kv_cache_is_populated(llm_
     for packed in (layer.qkv.weight, layer.down.weight, runner.model.lm_head.weight):
         assert advised(packed.data.data_ptr())
     cache = runner.kv_cache
-    populating = [t for t in threading.enumerate() if t.name == "cpuserve-kv-populate"]
-    for t in populating:
-        t.join(60)
     assert resident(cache.data_ptr()) >= cache.numel() * cache.element_size()
 
 
@@ -92,12 +88,12 @@ def test_populating_commits_every_page_and_changes_no_byte():
     before = resident(t.data_ptr())
     written = torch.arange(0, t.numel(), 5 << 20)
     t[written] = 7  # a few pages already touched, with contents to keep
-    th = pages.populate_ahead(t, environ={})
-    th.join(60)
-    assert not th.is_alive()
+    assert pages.populate(t, environ={}).startswith("populated in ")
     assert resident(t.data_ptr()) - before >= t.numel() - (8 << 10)  # all but the unaligned ends
     assert torch.all(t[written] == 7)
-    assert pages.populate_ahead(t, environ={"CPUSERVE_KV_POPULATE": "0"}) is None
+    off = pages.huge_empty(8 << 20, advise=False)
+    assert pages.populate(off, environ={"CPUSERVE_KV_POPULATE": "0"}).endswith("(CPUSERVE_KV_POPULATE=0)")
+    assert resident(off.data_ptr()) == 0
 
 
 

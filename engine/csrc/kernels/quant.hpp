@@ -292,7 +292,7 @@ void qgemm_t(float* c, const float* a, const uint8_t* w, const float* bias, int6
   const int64_t nb = k / f.block, ps = nb * qchunk_bytes(f, kNR), panels = (n + kNR - 1) / kNR;
   if (m == 1) return q_decode_gemm<T, 1>(c, a, w, bias, n, nb, lda, ldc);
   if (m == 2) return q_decode_gemm<T, 2>(c, a, w, bias, n, nb, lda, ldc);
-  const int64_t m_tiles = (m + kMC - 1) / kMC;
+  const int64_t m_tiles = row_tiles(m, panels);
   const int64_t mc = ((m + m_tiles - 1) / m_tiles + kMR - 1) / kMR * kMR;
   const int64_t per_group = std::max<int64_t>(1, std::min<int64_t>(8, panels * m_tiles / 64));
   const int64_t groups = (panels + per_group - 1) / per_group;

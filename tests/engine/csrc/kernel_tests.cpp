@@ -157,7 +157,7 @@ void check_gemm(const KernelTable* v, DType dt, int64_t m, int64_t n, int64_t k)
 }
 
 TEST_P(VectorVsScalar, GemmAllDtypes) {
-  for (auto shape : std::vector<std::array<int64_t, 3>>{{1, 96, 64}, {13, 70, 33}, {50, 130, 400}}) {
+  for (auto shape : std::vector<std::array<int64_t, 3>>{{1, 96, 64}, {13, 70, 33}, {50, 130, 400}, {300, 70, 40}}) {
     check_gemm<float>(GetParam(), DType::F32, shape[0], shape[1], shape[2]);
     check_gemm<bf16>(GetParam(), DType::BF16, shape[0], shape[1], shape[2]);
 #if !defined(__s390x__)

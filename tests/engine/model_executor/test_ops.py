@@ -214,7 +214,7 @@ def test_paged_attention_row_independent_of_chunking(kern, dtype, block_size):
 
 
 @pytest.mark.parametrize("dtype", STORAGE)
-@pytest.mark.parametrize("m,n,k", [(1, 576, 576), (7, 100, 33), (64, 192, 576), (50, 49, 1536), (3, 1, 5)])
+@pytest.mark.parametrize("m,n,k", [(1, 576, 576), (7, 100, 33), (64, 192, 576), (50, 49, 1536), (3, 1, 5), (300, 70, 40)])
 def test_gemm(kern, dtype, m, n, k):
     torch.manual_seed(m + n + k)
     x, w, b = torch.randn(m, k), torch.randn(n, k).to(dtype), torch.randn(n)
@@ -225,11 +225,12 @@ def test_gemm(kern, dtype, m, n, k):
 
 def test_gemm_rows_independent_of_batch(kern):
     torch.manual_seed(0)
-    x, w = torch.randn(67, 700), ops.PackedWeight(torch.randn(300, 700), k=kern)
-    full = ops.linear(x, w, k=kern)
-    for i in (0, 5, 66):
+    x, w = torch.randn(300, 700), ops.PackedWeight(torch.randn(300, 700), k=kern)
+    full = ops.linear(x, w, k=kern)  # 300 rows: two row tiles (kernels/gemm.hpp row_tiles)
+    for i in (0, 5, 66, 299):
         assert torch.equal(ops.linear(x[i:i + 1], w, k=kern), full[i:i + 1])
-    assert torch.equal(ops.linear(x[10:23], w, k=kern), full[10:23])
+    for lo, hi in ((10, 23), (0, 67), (20, 290)):
+        assert torch.equal(ops.linear(x[lo:hi], w, k=kern), full[lo:hi])
 
 
 @pytest.mark.parametrize("n", [0, 1, 63, 64 * 5 + 17, 1 << 20])

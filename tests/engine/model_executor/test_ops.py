@@ -226,7 +226,7 @@ def test_gemm(kern, dtype, m, n, k):
 def test_gemm_rows_independent_of_batch(kern):
     torch.manual_seed(0)
     x, w = torch.randn(300, 700), ops.PackedWeight(torch.randn(300, 700), k=kern)
-    full = ops.linear(x, w, k=kern)  # 300 rows: two row tiles (kernels/gemm.hpp row_tiles)
+    full = ops.linear(x, w, k=kern)  # 300 rows: more than one row tile on any L2 (gemm.hpp row_tiles)
     for i in (0, 5, 66, 299):
         assert torch.equal(ops.linear(x[i:i + 1], w, k=kern), full[i:i + 1])
     for lo, hi in ((10, 23), (0, 67), (20, 290)):

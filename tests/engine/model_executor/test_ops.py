@@ -213,6 +213,27 @@ def test_paged_attention_row_independent_of_chunking(kern, dtype, block_size):
     assert torch.equal(whole, torch.cat(parts))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_decode_heads_split_or_whole(kern, dtype):
+    """A decode's items take a kv head's whole group of query heads, or one query head each where
+    whole groups would leave most threads idle (attention.hpp split_decode_heads: one thread keeps
+    them whole, sixteen split them): the same bits either way, and the reference's values."""
+    q, kc, vc, tables, seq_lens, qsl, hq = _attention_case(dtype, 16, 4, 64, [1, 1], [150, 37], 2)
+    threads = _C.omp_max_threads()
+    try:
+        outs = []
+        for n in (1, 16):
+            _C.omp_set_num_threads(n)
+            outs.append(ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, hq, 0.125, k=kern))
+    finally:
+        _C.omp_set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    pairs = kern.bf16_dot and dtype == torch.bfloat16
+    want = ref.paged_attention(q, kc, vc, tables, seq_lens, qsl, hq, 0.125, bf16_inputs=pairs)
+    prob = ref.BF16_PROBABILITY_ERROR * float(vc.float().abs().max()) if pairs else 0.0
+    torch.testing.assert_close(outs[0], want, rtol=2e-5, atol=2e-5 + prob)
+
+
 @pytest.mark.parametrize("dtype", STORAGE)
 @pytest.mark.parametrize("m,n,k", [(1, 576, 576), (7, 100, 33), (64, 192, 576), (50, 49, 1536), (3, 1, 5), (300, 70, 40)])
 def test_gemm(kern, dtype, m, n, k):

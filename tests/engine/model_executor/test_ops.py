@@ -235,7 +235,8 @@ def test_paged_attention_decode_heads_split_or_whole(kern, dtype):
 
 
 @pytest.mark.parametrize("dtype", STORAGE)
-@pytest.mark.parametrize("m,n,k", [(1, 576, 576), (7, 100, 33), (64, 192, 576), (50, 49, 1536), (3, 1, 5), (300, 70, 40)])
+@pytest.mark.parametrize("m,n,k", [(1, 576, 576), (7, 100, 33), (64, 192, 576), (50, 49, 1536), (3, 1, 5), (300, 70, 40),
+                                   (9, 40, 4200)])  # the last: K blocks (gemm.hpp k_block) where L2 <= 2 MiB (float32), 1 MiB (bfloat16)
 def test_gemm(kern, dtype, m, n, k):
     torch.manual_seed(m + n + k)
     x, w, b = torch.randn(m, k), torch.randn(n, k).to(dtype), torch.randn(n)

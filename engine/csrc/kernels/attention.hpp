@@ -262,16 +262,13 @@ template <typename T> struct AttnArgs : AttnShape {
 template <typename T>
 constexpr bool kWidenInRegisters = std::is_same_v<T, float> || std::is_same_v<T, bf16> || std::is_same_v<T, f16>;
 
-// The work list, rebuilt per call in storage reused across calls (no allocation once warm).
-// Local query head i attends with kv head (i + q_off) / group: with q_off = 0 and
-// hq = hk * group this is plain GQA; a tensor-parallel rank holding part of a
-// group passes where its first query head sits inside its first kv head's group.
 // Whether a decode's work items take one query head each rather than a kv head's whole group,
 // given `items` whole-group items over `threads`. Bits are the same either way (one chain per
 // (row, head)); only the time differs. A one-row item waits on FMA latency: its group's heads
 // share every key and value load and fill the FMA pipes together, so a whole-group item costs
-// about (1 + group) / 2 single-head items (measured on SmolLM2's group of 3, two threads, a
-// 128-token block: 5.25 against 2.6 us per layer, the 3-group items 10.5 us, the 9 split ones 13).
+// about (1 + group) / 2 single-head items (SmolLM2's group of 3 on two threads, ~140 tokens of
+// context: 9 single-head items took 13 us a layer, 5 on one thread, so 2.6 us each; 3 whole-group
+// items 10.5 us, 2 on one thread, so 5.25 us each).
 // Split only where that finishes sooner, i.e. where whole groups leave most threads idle.
 inline bool split_decode_heads(int64_t items, int64_t group, int64_t threads) {
   if (group <= 1) return false;
@@ -280,6 +277,10 @@ inline bool split_decode_heads(int64_t items, int64_t group, int64_t threads) {
   return split < whole;
 }
 
+// The work list, rebuilt per call in storage reused across calls (no allocation once warm).
+// Local query head i attends with kv head (i + q_off) / group: with q_off = 0 and
+// hq = hk * group this is plain GQA; a tensor-parallel rank holding part of a
+// group passes where its first query head sits inside its first kv head's group.
 template <typename T>
 inline const std::vector<AttnItem>& attention_items(const AttnArgs<T>& a) {
   int64_t group_items = 0;

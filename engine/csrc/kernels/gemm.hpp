@@ -30,6 +30,12 @@ constexpr int kMR = 6;
 constexpr int64_t kKC = 384;   // K block where a panel's whole K is too big for the L2 (k_block)
 constexpr int64_t kMC = 72;    // rows of A per work item: the least, see row_tiles
 
+// This CPU's L2 size in bytes, 0 or less where the system does not say (qemu-user); read once.
+inline long l2_bytes() {
+  static const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  return l2;
+}
+
 // How many row tiles a GEMM of m rows over `panels` weight panels is cut into. One tile's A block
 // (its rows x a K block) stays in L2 next to the weight chunks streaming through: up to 40% of the
 // L2, at most 264 rows (72 where the L2 size is unknown), so that each weight chunk brought from
@@ -40,7 +46,7 @@ constexpr int64_t kMC = 72;    // rows of A per work item: the least, see row_ti
 // were still 7% faster that way.)
 inline int64_t row_tiles(int64_t m, int64_t panels) {
   static const int64_t most = [] {
-    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    const long l2 = l2_bytes();
     const int64_t rows = l2 > 0 ? static_cast<int64_t>(0.4 * static_cast<double>(l2)) / (kKC * 4) / kMR * kMR : 0;
     return std::clamp<int64_t>(rows, kMC, 264);
   }();
@@ -210,7 +216,7 @@ inline Prefetch next_chunk(const T* w, int64_t k, int64_t k0, int64_t kc_max, in
 // -> 19.0, 512 rows 139 -> 128-130. The chain over k runs in the same order: the same bits.
 template <typename T>
 inline int64_t k_block(int64_t k) {
-  static const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  const long l2 = l2_bytes();
   const int64_t fallback = std::is_same_v<T, bf16x2> ? kKC / 2 : kKC;
   if (l2 > 0 && k * kNR * static_cast<int64_t>(sizeof(T)) <= l2 / 4) return k;
   return std::min(k, fallback);

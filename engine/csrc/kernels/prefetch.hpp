@@ -3,8 +3,11 @@
 // tile over a chunk found it in DRAM and waited: the hardware prefetchers follow that tile's
 // reads too closely to hide the latency. Fetching the next chunk into L2 while this one's row
 // tiles run hides it (decode, where each byte is used once, is left to the hardware).
+// LineQueue does the same for the paged attention's next cache block, whose address no hardware
+// prefetcher can guess.
 #pragma once
 #include <cstdint>
+#include <limits>
 
 namespace cpuserve {
 namespace {
@@ -23,6 +26,45 @@ struct Prefetch {
   void issue() const {
     for (int64_t i = first; i < first + count; ++i) line(i);
   }
+};
+
+// Cache lines queued for prefetch and issued a few at a time from a kernel's inner loops, so
+// that the fetches overlap its arithmetic: a burst of a whole tile's prefetches fills the load
+// queue and stalls the core until the lines arrive.
+class LineQueue {
+ public:
+  // `rows` runs of `lines` cache lines each, the runs `stride` bytes apart, from p
+  void push(const void* p, int64_t stride, int64_t lines, int64_t rows) {
+    if (lines <= 0 || rows <= 0) return;
+    if (n_ == kMax) drain();
+    runs_[n_++] = {static_cast<const char*>(p), stride, lines, rows, 0, 0};
+  }
+  // the next k queued lines (fewer where fewer are left), oldest run first, to fetch(line)
+  template <typename Fetch>
+  void issue(int k, Fetch&& fetch) {
+    for (; k > 0 && head_ < n_; --k) {
+      Run& r = runs_[head_];
+      fetch(r.p + r.row * r.stride + r.line * 64);
+      if (++r.line == r.lines) {
+        r.line = 0;
+        if (++r.row == r.rows) ++head_;
+      }
+    }
+    if (head_ == n_) head_ = n_ = 0;
+  }
+  void issue(int k) {
+    issue(k, [](const char* line) { __builtin_prefetch(line, 0, 3); });
+  }
+  void drain() { issue(std::numeric_limits<int>::max()); }  // (also when a ninth run is pushed)
+
+ private:
+  struct Run {
+    const char* p;
+    int64_t stride, lines, rows, row, line;
+  };
+  static constexpr int kMax = 8;
+  Run runs_[kMax];
+  int n_ = 0, head_ = 0;
 };
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernel_table.hpp"
+#include "kernels/prefetch.hpp"
 #include "kernels/quant_format.hpp"
 
 using namespace cpuserve;
@@ -238,6 +239,27 @@ TEST_P(VectorVsScalar, ReshapeAndCache) {
 
 // float8 conversions: every e5m2 / e4m3 value survives a round trip; rounding is to nearest
 // even (e4m3 saturating at 448); the vector loads decode as the scalar conversion does.
+// The queue hands out every pushed line once, in push order, k at a time, and starts empty again.
+TEST(LineQueue, IssuesEveryLineOnceInOrder) {
+  alignas(64) static char mem[64 * 64];
+  cpuserve::LineQueue q;
+  q.push(mem, 0, 3, 1);         // lines 0, 1, 2
+  q.push(mem + 640, 256, 2, 3);  // rows 256 bytes apart: lines 10, 11, 14, 15, 18, 19
+  q.push(mem, 0, 0, 5);          // nothing
+  std::vector<long> seen;
+  auto record = [&](const char* p) { seen.push_back((p - mem) / 64); };
+  q.issue(4, record);
+  EXPECT_EQ(seen, (std::vector<long>{0, 1, 2, 10}));
+  q.issue(100, record);
+  EXPECT_EQ(seen, (std::vector<long>{0, 1, 2, 10, 11, 14, 15, 18, 19}));
+  q.issue(5, record);  // empty: nothing more
+  EXPECT_EQ(seen.size(), 9u);
+  for (int i = 0; i < 9; ++i) q.push(mem + 64 * i, 0, 1, 1);  // the ninth push drains the first eight
+  seen.clear();
+  q.issue(100, record);
+  EXPECT_EQ(seen, (std::vector<long>{8}));
+}
+
 TEST(Float8, RoundTripRoundingAndVectorLoads) {
   for (int i = 0; i < 256; ++i) {
     const float a = to_float(f8e5m2{uint8_t(i)}), b = to_float(f8e4m3{uint8_t(i)});

@@ -8,6 +8,8 @@ virtualenv), so it imports nothing of cpuserve at module level. Prints one JSON 
 - prefill_2048_s: a 2,048-token prompt to its first token, best of 3 (a new prompt each time,
   so that no prefix cache helps);
 - peak_rss_mib: this process and its children (vLLM's engine core runs in a child).
+
+With --batch1-only, only ready_s and batch1_ms (peers.py's alternating batch-1 rounds).
 """
 from __future__ import annotations
 
@@ -81,18 +83,20 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("dtype", choices=["float32", "bfloat16", "gguf", "gguf-int8"])
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--batch1-only", action="store_true", help="only batch1_ms (and ready_s)")
     a = ap.parse_args()
     eng = {"cpuserve": CpuServe, "vllm": Vllm, "transformers": Transformers}[a.engine](a.model, a.dtype)
     res = {"ready_s": time.perf_counter() - T0}
     eng.generate(prompts(2, 16, 1), 4)  # warm-up
-    batch = prompts(NUM, IN_LEN, 2)
-    t0 = time.perf_counter()
-    eng.generate(batch, OUT_LEN)
-    res["offline_tok_s"] = NUM * OUT_LEN / (time.perf_counter() - t0)
+    if not a.batch1_only:
+        batch = prompts(NUM, IN_LEN, 2)
+        t0 = time.perf_counter()
+        eng.generate(batch, OUT_LEN)
+        res["offline_tok_s"] = NUM * OUT_LEN / (time.perf_counter() - t0)
     one = prompts(1, IN_LEN, 3)
     res["batch1_ms"] = (best(lambda i: eng.generate(one, OUT_LEN + 1)) - best(lambda i: eng.generate(one, 1))) \
         / OUT_LEN * 1e3
-    if not a.skip_prefill:
+    if not a.skip_prefill and not a.batch1_only:
         longs = prompts(3, LONG, 4)
         res["prefill_2048_s"] = best(lambda i: eng.generate([longs[i]], 1))
     rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)

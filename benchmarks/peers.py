@@ -104,11 +104,11 @@ def vllm_env() -> dict:
 
 
 # -- offline --------------------------------------------------------------------------------------
-def python_offline(engine: str, dtype: str, model: Path, skip_prefill: bool = False) -> dict:
+def python_offline(engine: str, dtype: str, model: Path, skip_prefill: bool = False, batch1_only: bool = False) -> dict:
     py = str(vllm_python()) if engine == "vllm" else sys.executable
     env = vllm_env() if engine == "vllm" else dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind")
     args = [py, str(ROOT / "benchmarks" / "peer_offline.py"), engine, str(model), dtype] + \
-        (["--skip-prefill"] if skip_prefill else [])
+        (["--skip-prefill"] if skip_prefill else []) + (["--batch1-only"] if batch1_only else [])
     r = subprocess.run(args, capture_output=True, text=True, env=env, cwd="/tmp", timeout=3600)
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if r.returncode != 0 or line is None:
@@ -120,17 +120,45 @@ def llama_offline(gguf: Path) -> dict:
     b = llama_bin()
     t = str(THREADS)
 
-    def bench(p: int, n: int) -> float:
-        r = subprocess.run([str(b / "llama-bench"), "-m", str(gguf), "-t", t, "-p", str(p), "-n", str(n), "-r", "3",
-                            "-o", "json"], capture_output=True, text=True, check=True, timeout=1800)
-        return float(json.loads(r.stdout)[0]["avg_ts"])
     r = subprocess.run([str(b / "llama-batched-bench"), "-m", str(gguf), "-t", t, "-tb", t, "-c", "17000", "-b",
                         "2048", "-ub", "512", "-npp", "128", "-ntg", "128", "-npl", "64"],
                        capture_output=True, text=True, check=True, timeout=3600)
     row = [ln for ln in r.stdout.splitlines() if re.match(r"^\|\s+128\s+\|\s+128\s+\|\s+64\s+\|", ln)][-1]
     cells = [c.strip() for c in row.strip("|").split("|")]
     total_s = float(cells[8])  # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
-    return {"offline_tok_s": 64 * 128 / total_s, "batch1_ms": 1e3 / bench(0, 128), "prefill_2048_s": 2048 / bench(2048, 0)}
+    return {"offline_tok_s": 64 * 128 / total_s, "batch1_ms": llama_batch1_ms(gguf),
+            "prefill_2048_s": 2048 / llama_bench(gguf, 2048, 0)}
+
+
+def llama_bench(gguf: Path, p: int, n: int) -> float:
+    """llama-bench's tokens/s for a p-token prompt or n generated tokens, mean of 3 repetitions."""
+    r = subprocess.run([str(llama_bin() / "llama-bench"), "-m", str(gguf), "-t", str(THREADS), "-p", str(p), "-n",
+                        str(n), "-r", "3", "-o", "json"], capture_output=True, text=True, check=True, timeout=1800)
+    return float(json.loads(r.stdout)[0]["avg_ts"])
+
+
+def llama_batch1_ms(gguf: Path) -> float:
+    return 1e3 / llama_bench(gguf, 0, 128)
+
+
+def alternating_batch1(gguf: Path, rounds: int = int(os.environ.get("PEERS_BATCH1_ROUNDS", "5"))) -> dict:
+    """Batch-1 decode of cpuserve and llama.cpp on the same weights (float32, Q4_1), the engines
+    taking turns round by round: each round's runs meet the same minute of this machine's memory
+    bandwidth, which the one-engine-at-a-time table cannot promise. {name: {batch1_ms, read_gbs:
+    [min, median]}}."""
+    f32 = llama_files(gguf)["F32"]
+    engines = {"cpuserve float32": lambda: python_offline("cpuserve", "float32", gguf, batch1_only=True)["batch1_ms"],
+               "llama.cpp F32": lambda: llama_batch1_ms(f32),
+               "cpuserve Q4_1": lambda: python_offline("cpuserve", "gguf", gguf, batch1_only=True)["batch1_ms"],
+               "llama.cpp Q4_1": lambda: llama_batch1_ms(gguf)}
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
+    for _ in range(rounds):
+        for name, fn in engines.items():
+            before = read_gbs()
+            ms = fn()
+            runs[name].append((ms, max(before, read_gbs())))
+    return {name: {key: [min(r[i] for r in rs), statistics.median(r[i] for r in rs)]
+                   for i, key in enumerate(("batch1_ms", "read_gbs"))} for name, rs in runs.items()}
 
 
 # -- serving ----------------------------------------------------------------------------------------
@@ -279,6 +307,7 @@ def main() -> None:
                                 ("cpuserve float32", "cpuserve", "float32"),
                                 ("vLLM float32", "vllm", "float32"), ("llama.cpp Q4_1", "llama", "Q4_1")):
         run("serving", name, lambda: serve(engine, dtype, hf_dir, gguf))
+    run("top", "batch1_alternating", lambda: alternating_batch1(gguf))
     from cpuserve.entrypoints import bench
     run("top", "roofline", lambda: bench.run(batch=64, tokens=32))
     assert off is res["offline"]
@@ -320,6 +349,7 @@ def report(res: dict) -> None:
         lines.append(f"| {name} | {fmt(r.get('offline_tok_s'))} | {fmt(r.get('batch1_ms'), 2)} | "
                      f"{fmt(r.get('prefill_2048_s'), 2)} | {fmt(r.get('ready_s'), 1)} | {fmt(r.get('peak_rss_mib'), 0)} | "
                      f"{rat if not name.startswith('cpuserve') or ' int8-act ' in name else ''} |")
+    lines += alternating_table(res.get("batch1_alternating"))
     lines += ["", "Serving (`serving.py`'s client: 128-token prompts of random ids, 128 greedy output tokens, C "
               "concurrent streams back to back, a new connection per request; vLLM's OpenAI server and "
               "`llama-server --parallel 16`):", "",
@@ -365,6 +395,24 @@ def report(res: dict) -> None:
     (OUT / "PEERS.md").write_text("\n".join(lines))
     plot(res)
     print("\n".join(lines))
+
+
+def alternating_table(alt: dict | None) -> list[str]:
+    """The batch-1 rounds with the engines taking turns (alternating_batch1), as report lines."""
+    if not alt:
+        return []
+    if "error" in alt:
+        return ["", f"Batch-1 decode, engines taking turns: failed: {alt['error'][:200]}"]
+    rounds = os.environ.get("PEERS_BATCH1_ROUNDS", "5")
+    lines = ["", f"Batch-1 decode with the engines taking turns, {rounds} rounds (cpuserve float32, llama.cpp F32, "
+             "cpuserve Q4_1, llama.cpp Q4_1 in each round, the read bandwidth probed around every run), so that both "
+             "sides of a ratio meet the same minutes of this machine:", "",
+             "| engine | batch-1 ms/token min / median | read GB/s min / median | ratio |", "|---|---|---|---|"]
+    for name, r in alt.items():
+        peer = alt.get(name.replace("cpuserve float32", "llama.cpp F32").replace("cpuserve Q4_1", "llama.cpp Q4_1"))
+        rat = ratio(r["batch1_ms"], peer["batch1_ms"], "batch1_ms") if name.startswith("cpuserve") and peer else ""
+        lines.append(f"| {name} | {fmt(r['batch1_ms'], 2)} | {fmt(r['read_gbs'], 1)} | {rat} |")
+    return lines
 
 
 def counterpart(name: str) -> str:

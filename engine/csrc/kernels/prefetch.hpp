@@ -7,7 +7,6 @@
 // prefetcher can guess.
 #pragma once
 #include <cstdint>
-#include <limits>
 
 namespace cpuserve {
 namespace {
@@ -41,7 +40,7 @@ class LineQueue {
   }
   // the next k queued lines (fewer where fewer are left), oldest run first, to fetch(line)
   template <typename Fetch>
-  void issue(int k, Fetch&& fetch) {
+  [[gnu::always_inline]] void issue(int k, Fetch&& fetch) {
     for (; k > 0 && head_ < n_; --k) {
       Run& r = runs_[head_];
       fetch(r.p + r.row * r.stride + r.line * 64);
@@ -52,10 +51,19 @@ class LineQueue {
     }
     if (head_ == n_) head_ = n_ = 0;
   }
-  void issue(int k) {
+  [[gnu::always_inline]] void issue(int k) {
     issue(k, [](const char* line) { __builtin_prefetch(line, 0, 3); });
   }
-  void drain() { issue(std::numeric_limits<int>::max()); }  // (also when a ninth run is pushed)
+  // every queued line at once (also when a ninth run is pushed)
+  void drain() {
+    for (; head_ < n_; ++head_) {
+      const Run& r = runs_[head_];
+      for (int64_t row = r.row, line = r.line; row < r.rows; ++row, line = 0)
+        for (const char* p = r.p + row * r.stride; line < r.lines; ++line) __builtin_prefetch(p + line * 64, 0, 3);
+    }
+    head_ = n_ = 0;
+  }
+  void clear() { head_ = n_ = 0; }
 
  private:
   struct Run {

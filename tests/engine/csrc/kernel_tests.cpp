@@ -258,6 +258,10 @@ TEST(LineQueue, IssuesEveryLineOnceInOrder) {
   seen.clear();
   q.issue(100, record);
   EXPECT_EQ(seen, (std::vector<long>{8}));
+  q.push(mem, 0, 4, 1);  // cleared: nothing left to issue
+  q.clear();
+  q.issue(100, record);
+  EXPECT_EQ(seen.size(), 1u);
 }
 
 TEST(Float8, RoundTripRoundingAndVectorLoads) {

@@ -24,12 +24,12 @@ namespace cpuserve {
 namespace {
 
 constexpr int64_t kQTile = 16;
-// Cache lines of the next block a micro-kernel's loop step prefetches (LineQueue): a float32
-// block of 128 keys is 1,024 lines of keys and values against 256 score and value steps of a
-// decode item, so its prefetches go out over the first half of the block before. A/B on the
-// engine (AMD EPYC Zen 5, 2 threads, 128-290 tokens of context), against the whole next block
-// prefetched at once: float32 decode steps of 16 sequences 21.5 -> 19.6 ms, 64 sequences 69.6 ->
-// 58.7; bfloat16 13.4 -> 11.8 and 46.3 -> 39.1; 1 to 4 sequences 1-4% faster. 2 or 8 a step: slower.
+// Cache lines of the next block a decode micro-kernel's loop step prefetches (LineQueue): a
+// float32 block of 128 keys is 1,024 lines of keys and values against 256 score and value steps of
+// a decode item, so its prefetches go out over the first half of the block before. Against the
+// whole next block prefetched at once (AMD EPYC Zen 5, 2 threads, 200 tokens of context, decode
+// attention a layer): float32 64 sequences 678-727 -> 620-641 us, 16 sequences 175-186 -> 164-173,
+// bfloat16 64 sequences 490-591 -> 338-342. 2 or 8 lines a step: slower.
 constexpr int kQueuedLinesPerStep = 4;
 #ifdef __AVX512BF16__
 constexpr bool kBf16PairAttention = true;
@@ -181,8 +181,9 @@ inline void accumulate_values(float* acc, const AOf<typename Src::Elem>* p, int6
     for (int64_t c = 0; c < nvec; c += kValueV) {
       const int rr = static_cast<int>(std::min<int64_t>(kValueR, rows - i));
       const int vv = static_cast<int>(std::min<int64_t>(kValueV, nvec - c));
-      if (pf != nullptr) values_tile<Src, kValueR, kValueV, true>(rr, vv, acc + i * d, p + i * ps, ps, v, n, d, c * VecF::N, pf);
-      else values_tile<Src, kValueR, kValueV, false>(rr, vv, acc + i * d, p + i * ps, ps, v, n, d, c * VecF::N, pf);
+      float* const a = acc + i * d;
+      if (pf != nullptr) values_tile<Src, kValueR, kValueV, true>(rr, vv, a, p + i * ps, ps, v, n, d, c * VecF::N, pf);
+      else values_tile<Src, kValueR, kValueV, false>(rr, vv, a, p + i * ps, ps, v, n, d, c * VecF::N, pf);
     }
   if constexpr (!std::is_same_v<typename Src::Elem, bf16x2>) {  // (the pair path runs only when N divides d)
     for (int64_t e = nvec * VecF::N; e < d; ++e)
@@ -536,7 +537,8 @@ struct ItemSpan {
 // page, cannot fetch the next one ahead; a decode item is bound by these reads.
 template <typename T>
 inline void queue_block(const AttnArgs<T>& a, const AttnItem& w, int64_t blk, int64_t last_pos, LineQueue& q) {
-  const int64_t tile = (static_cast<int64_t>(a.block_tables[w.seq * a.max_blocks + blk]) * a.hk + w.kv_head) * a.bs * a.d;
+  const int64_t block = a.block_tables[w.seq * a.max_blocks + blk];
+  const int64_t tile = (block * a.hk + w.kv_head) * a.bs * a.d;
   const int64_t n = std::min<int64_t>(a.bs, last_pos + 1 - blk * a.bs), sz = sizeof(T);
   auto lines = [](int64_t bytes) { return (bytes + 63) / 64; };
   if (n == a.bs) q.push(a.k_cache + tile, 0, lines(a.d * a.bs * sz), 1);

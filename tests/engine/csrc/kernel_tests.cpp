@@ -237,8 +237,6 @@ TEST_P(VectorVsScalar, ReshapeAndCache) {
   }
 }
 
-// float8 conversions: every e5m2 / e4m3 value survives a round trip; rounding is to nearest
-// even (e4m3 saturating at 448); the vector loads decode as the scalar conversion does.
 // The queue hands out every pushed line once, in push order, k at a time, and starts empty again.
 TEST(LineQueue, IssuesEveryLineOnceInOrder) {
   alignas(64) static char mem[64 * 64];
@@ -264,6 +262,8 @@ TEST(LineQueue, IssuesEveryLineOnceInOrder) {
   EXPECT_EQ(seen.size(), 1u);
 }
 
+// float8 conversions: every e5m2 / e4m3 value survives a round trip; rounding is to nearest
+// even (e4m3 saturating at 448); the vector loads decode as the scalar conversion does.
 TEST(Float8, RoundTripRoundingAndVectorLoads) {
   for (int i = 0; i < 256; ++i) {
     const float a = to_float(f8e5m2{uint8_t(i)}), b = to_float(f8e4m3{uint8_t(i)});

@@ -519,17 +519,23 @@ inline void finish_tile(const AttnArgs<T>& a, const AttnItem& w, const TileScrat
   }
 }
 
-// One work item: its rows and heads through the sequence's blocks in order.
 // Where an item's rows sit and which cache blocks they read.
 struct ItemSpan {
   int64_t first_pos, last_pos, first_blk;  // first row's and last row's positions; first block read
-  static ItemSpan of(const AttnShape& s, const int32_t* qsl, const int32_t* seq_lens, const AttnItem& w) {
-    const int64_t q_len = qsl[w.seq + 1] - qsl[w.seq];
-    const int64_t first_pos = seq_lens[w.seq] - q_len + w.row0;
-    const int64_t lo_key = s.window > 0 ? std::max<int64_t>(0, first_pos - s.window + 1) : 0;
-    return {first_pos, first_pos + w.rows - 1, lo_key / s.bs};
+  template <typename T>
+  static ItemSpan of(const AttnArgs<T>& a, const AttnItem& w) {
+    const int64_t q_len = a.qsl[w.seq + 1] - a.qsl[w.seq];
+    const int64_t first_pos = a.seq_lens[w.seq] - q_len + w.row0;
+    const int64_t lo_key = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) : 0;
+    return {first_pos, first_pos + w.rows - 1, lo_key / a.bs};
   }
 };
+
+// Where item w's kv head's key (and value) tile of its sequence's block blk starts, in elements.
+template <typename T>
+inline int64_t tile_offset(const AttnArgs<T>& a, const AttnItem& w, int64_t blk) {
+  return (static_cast<int64_t>(a.block_tables[w.seq * a.max_blocks + blk]) * a.hk + w.kv_head) * a.bs * a.d;
+}
 
 // Queues the lines of block blk's key and value tiles that an item reading keys up to last_pos
 // reads (keys are stored transposed: a partly filled block's keys are the first n of each row).
@@ -537,8 +543,7 @@ struct ItemSpan {
 // page, cannot fetch the next one ahead; a decode item is bound by these reads.
 template <typename T>
 inline void queue_block(const AttnArgs<T>& a, const AttnItem& w, int64_t blk, int64_t last_pos, LineQueue& q) {
-  const int64_t block = a.block_tables[w.seq * a.max_blocks + blk];
-  const int64_t tile = (block * a.hk + w.kv_head) * a.bs * a.d;
+  const int64_t tile = tile_offset(a, w, blk);
   const int64_t n = std::min<int64_t>(a.bs, last_pos + 1 - blk * a.bs), sz = sizeof(T);
   auto lines = [](int64_t bytes) { return (bytes + 63) / 64; };
   if (n == a.bs) q.push(a.k_cache + tile, 0, lines(a.d * a.bs * sz), 1);
@@ -552,7 +557,7 @@ inline void queue_after(const AttnArgs<T>& a, const AttnItem& w, const ItemSpan&
                         const AttnItem* next, LineQueue& q) {
   if ((blk + 1) * a.bs <= sp.last_pos) return queue_block(a, w, blk + 1, sp.last_pos, q);
   if (next == nullptr) return;
-  const ItemSpan nx = ItemSpan::of(a, a.qsl, a.seq_lens, *next);
+  const ItemSpan nx = ItemSpan::of(a, *next);
   queue_block(a, *next, nx.first_blk, nx.last_pos, q);
 }
 
@@ -561,16 +566,14 @@ inline void queue_after(const AttnArgs<T>& a, const AttnItem& w, const ItemSpan&
 template <typename T>
 inline void attend_item(const AttnArgs<T>& a, const AttnItem& w, const AttnItem* next, const TileScratch& t,
                         bool pairs, bool direct) {
-  const ItemSpan sp = ItemSpan::of(a, a.qsl, a.seq_lens, w);
-  const int32_t* table = a.block_tables + w.seq * a.max_blocks;
-  auto tile_of = [&](int64_t blk) { return (static_cast<int64_t>(table[blk]) * a.hk + w.kv_head) * a.bs * a.d; };
+  const ItemSpan sp = ItemSpan::of(a, w);
   const bool pace = paced(w.rows * (w.g1 - w.g0));
   start_tile(a, w, t, pairs);
   for (int64_t blk = sp.first_blk; blk * a.bs <= sp.last_pos; ++blk) {
     queue_after(a, w, sp, blk, next, *t.queue);
     if (!pace) t.queue->drain();
     const BlockView b = BlockView::at(w.rows, w.g1 - w.g0, sp.first_pos, blk * a.bs, a);
-    attend_tile_block(a, t, b, tile_of(blk), pairs, direct);
+    attend_tile_block(a, t, b, tile_offset(a, w, blk), pairs, direct);
   }
   finish_tile(a, w, t);
 }

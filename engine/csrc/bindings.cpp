@@ -273,5 +273,8 @@ PYBIND11_MODULE(_C, m) {
              k.t->qdrows(ptr<float>(out), ptr<const uint8_t>(w), qt, ptr<const int64_t>(ids), count, kk);
            }, G())
       .def("read_sum", [](const Kernels& k, uintptr_t x, int64_t n) { return k.t->read_sum(ptr<const float>(x), n); },
-           G());
+           G())
+      .def("argmax", [](const Kernels& k, uintptr_t out, uintptr_t x, int64_t rows, int64_t n, int64_t xs) {
+             k.t->argmax(ptr<int64_t>(out), ptr<const float>(x), rows, n, xs);
+           }, G());
 }

@@ -3,6 +3,7 @@
 // flags; everything it includes has internal linkage, so the copies never mix.
 #include "kernel_table.hpp"
 #include "kernels/activation.hpp"
+#include "kernels/argmax.hpp"
 #include "kernels/attention.hpp"
 #include "kernels/cache.hpp"
 #include "kernels/gemm.hpp"
@@ -45,6 +46,7 @@ const KernelTable* CPUSERVE_TABLE_FN() {
       &qdgemm_impl,
       &qdrows_impl,
       &read_sum_impl,
+      &argmax_impl,
   };
   return &table;
 }

@@ -82,6 +82,8 @@ struct KernelTable {
   void (*qdrows)(float* out, const uint8_t* w, int qtype, const int64_t* ids, int64_t count, int64_t k);
   // The sum of x[0, n), every thread streaming its share (kernels/stream.hpp: the bandwidth probe).
   float (*read_sum)(const float* x, int64_t n);
+  // out[r] = torch.argmax(x[r, :n]): the first index of the largest value, a NaN the largest.
+  void (*argmax)(int64_t* out, const float* x, int64_t rows, int64_t n, int64_t x_stride);
 };
 
 // Every ISA name, best first: a CPU with a variant (avx512_bf16 = avx512_vnni + bf16 pair dot

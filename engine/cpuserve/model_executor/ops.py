@@ -56,6 +56,17 @@ def read_sum(x: torch.Tensor, k=KERNELS) -> float:
     return k.read_sum(x.data_ptr(), x.numel())
 
 
+def argmax(x: torch.Tensor, k=KERNELS) -> torch.Tensor:
+    """x.argmax(dim=-1) of float32 rows [R, V], the same answer (first index of the largest value,
+    a NaN the largest), each row in vectors and the rows shared among the threads."""
+    _f32(x, "x")
+    if x.dim() != 2 or x.shape[1] == 0:
+        raise ValueError(f"argmax: x must be [rows, n] with n > 0, got {tuple(x.shape)}")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    k.argmax(out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], x.stride(0))
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
              k=KERNELS) -> torch.Tensor:
     """out = x / rms(x) * weight over the last dimension (x: [rows, dim])."""

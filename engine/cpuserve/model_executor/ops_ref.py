@@ -48,6 +48,10 @@ def gelu_and_mul(x, approximate="tanh"):
     return torch.nn.functional.gelu(x[..., :d].double(), approximate=approximate).float() * x[..., d:]
 
 
+def argmax(x):
+    return x.argmax(dim=-1)
+
+
 def to_cache(x, dtype, scale=1.0):
     """x / scale in a cache dtype; float8 e4m3 saturates at +-448 (torch's cast would give NaN)."""
     x = x / scale if scale != 1.0 else x

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from cpuserve.core.sequence import Sequence
+from cpuserve.model_executor import ops
 from cpuserve.structured import grammar
 
 
@@ -79,7 +80,7 @@ class Sampler:
         if constrained:
             self._constrain(logits, raw, [(i, seqs[i].matcher) for i in constrained])
 
-        tokens = logits.argmax(dim=-1).tolist()  # greedy rows keep this
+        tokens = ops.argmax(logits.float().contiguous()).tolist()  # greedy rows keep this (torch.argmax's answer)
         for i, seq in enumerate(seqs):
             if not seq.params.greedy:
                 probs = _filtered_probs(logits[i], seq)

@@ -111,6 +111,40 @@ TEST_P(VectorVsScalar, GatedActivations) {
   expect_close(o1, o2, 1e-5f);
 }
 
+// torch.argmax's rule written out: the first index of the largest value, the first NaN if any.
+int64_t argmax_reference(const float* x, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > x[best]) best = i;
+  }
+  return best;
+}
+
+TEST_P(VectorVsScalar, Argmax) {
+  const float inf = INFINITY, nan = NAN, big = 3.4e38f;
+  for (int64_t n : {3, 17, 300, 1000, 4099}) {
+    const int64_t rows = 9;
+    auto x = randn(rows * n, 11 + n, 5.f);
+    auto row = [&](int64_t r) { return x.data() + r * n; };
+    row(1)[n / 3] = row(1)[n - 1] = 100.f;                   // a tie across blocks
+    std::fill(row(2), row(2) + n / 2, -inf);                 // masked
+    std::fill(row(3), row(3) + n, -inf);                     // all masked: index 0
+    row(4)[n / 4] = 100.f, row(4)[n / 2] = nan;              // the NaN wins
+    row(5)[n / 2] = inf;
+    std::fill(row(6), row(6) + n, big);                      // sums overflow
+    std::fill(row(7), row(7) + n, 0.f), row(7)[0] = -0.f;    // signed zeros tie
+    for (int64_t i = 0; i < n; ++i) row(8)[i] = float(i);    // every block better than the last
+    std::vector<int64_t> got(rows), scalar(rows);
+    GetParam()->argmax(got.data(), x.data(), rows, n, n);
+    table_scalar()->argmax(scalar.data(), x.data(), rows, n, n);
+    for (int64_t r = 0; r < rows; ++r) {
+      EXPECT_EQ(got[r], argmax_reference(row(r), n)) << "n " << n << " row " << r;
+      EXPECT_EQ(scalar[r], argmax_reference(row(r), n)) << "scalar, n " << n << " row " << r;
+    }
+  }
+}
+
 // The bf16 pair path written out: A and W as bfloat16, per output one chain over k pairs,
 // each pair adding the high product, then the low one (vdpbf16ps' order), then the bias.
 std::vector<float> bf16_pair_reference(const std::vector<float>& a, const std::vector<bf16>& w,

@@ -63,6 +63,45 @@ def test_silu_and_mul(kern, t, d):
     torch.testing.assert_close(ops.silu_and_mul(x, k=kern), ref.silu_and_mul(x), rtol=1e-5, atol=1e-5)
 
 
+def _argmax_rows(n: int) -> torch.Tensor:
+    """Rows that catch every way an argmax can differ from torch's: ties inside and across blocks,
+    masked (-inf) and all -inf rows, NaN (torch picks the first), infinities, sums that overflow,
+    signed zeros, and the largest value in the tail after the last whole block."""
+    torch.manual_seed(n)
+    x = torch.randn(12, n) * 5
+    big = float(torch.finfo(torch.float32).max)
+    x[1, n // 3] = x[1, n - 1] = x[1].max() + 1  # a tie across blocks: the first wins
+    x[2, 1] = x[2, 2] = x[2].max() + 1           # inside a block
+    x[3].fill_(float("-inf"))
+    x[4, : n // 2] = float("-inf")               # masked as a grammar or min_tokens does
+    x[5, n // 2] = float("nan")
+    x[5, n // 4] = x[5].nan_to_num().max() + 1   # a larger value before the NaN: the NaN still wins
+    x[6, n // 3] = x[6, n - 1] = float("nan")
+    x[7, n // 2] = float("inf")
+    x[8, :] = big                                # every sum overflows; index 0
+    x[8, n - 1] = float("inf")
+    x[9].zero_()
+    x[9, 0], x[9, n // 2] = -0.0, 0.0            # signed zeros compare equal: index 0
+    x[10, n - 1] = x[10].max() + 1               # in the tail
+    x[11] = torch.arange(n, dtype=torch.float32)  # every block better than the last
+    return x
+
+
+@pytest.mark.parametrize("n", [3, 17, 300, 1000, 49152])
+def test_argmax(kern, n):
+    x = _argmax_rows(n)
+    torch.testing.assert_close(ops.argmax(x, k=kern), ref.argmax(x), rtol=0, atol=0)
+    wide = torch.randn(5, n + 40)[:, 3:n + 3]  # rows strided in memory
+    torch.testing.assert_close(ops.argmax(wide, k=kern), ref.argmax(wide), rtol=0, atol=0)
+
+
+def test_argmax_rejects_bad_input():
+    with pytest.raises(TypeError, match="float32"):
+        ops.argmax(torch.zeros(2, 5, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"\[rows, n\]"):
+        ops.argmax(torch.zeros(5))
+
+
 @pytest.mark.parametrize("approximate", ["tanh", "none"])
 def test_gelu_and_mul(kern, approximate):
     x = torch.randn(7, 2 * 45) * 3

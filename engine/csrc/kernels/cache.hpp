@@ -53,14 +53,38 @@ inline const std::vector<std::pair<int64_t, int64_t>>& slot_runs(const int64_t* 
 // Keys of n tokens into their transposed block tile from column `kt`: along each row of the
 // tile (one key dimension) the n tokens are consecutive, so every cache line written is written
 // whole, one after the other (a token at a time wrote one float in each of head_dim lines).
+// One token (decode) is converted as a vector first: one value in each of d lines.
 template <typename T>
 inline void cache_keys(T* kt, const float* key, int64_t key_stride, int64_t n, int64_t d, int64_t block_size,
                        float k_inv) {
+  constexpr int64_t kMaxD = 512;
+  if (n == 1 && d <= kMaxD) {
+    T row[kMaxD];
+    convert_row(row, key, d, k_inv);
+    for (int64_t e = 0; e < d; ++e) kt[e * block_size] = row[e];
+    return;
+  }
   for (int64_t e = 0; e < d; ++e)
     for (int64_t i = 0; i < n; ++i) {
       const float x = key[i * key_stride + e];
       kt[e * block_size + i] = from_float<T>(k_inv == 1.f ? x : x * k_inv);
     }
+}
+
+// The cache lines an item (a run of tokens, one head) writes, fetched for writing while the item
+// before it runs: a decode token's key is one value in each of head_dim lines of a tile the last
+// attention may have left in memory, each written line otherwise a miss of its own in turn (64
+// sequences of bfloat16 cache, AMD EPYC Zen 5: 75 -> 59 us a layer).
+template <typename T>
+inline void prefetch_item(std::pair<int64_t, int64_t> run, int64_t h, const T* k_cache, const T* v_cache,
+                          const int64_t* slot_mapping, int64_t heads, int64_t d, int64_t block_size) {
+  const int64_t slot = slot_mapping[run.first];
+  const int64_t tile = slot / block_size * heads + h, off = slot % block_size;
+  const T* kt = k_cache + tile * d * block_size + off;
+  for (int64_t e = 0; e < d; ++e) __builtin_prefetch(kt + e * block_size, 1, 3);
+  const char* v = reinterpret_cast<const char*>(v_cache + (tile * block_size + off) * d);
+  const int64_t bytes = run.second * d * static_cast<int64_t>(sizeof(T));
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(v + b, 1, 3);
 }
 
 template <typename T>
@@ -74,6 +98,8 @@ void reshape_and_cache_t(const float* key, const float* value, T* k_cache, T* v_
     const auto [t0, n] = runs[it / heads];
     const int64_t h = it % heads, slot = slot_mapping[t0];
     const int64_t block = slot / block_size, off = slot % block_size, tile = block * heads + h;
+    if (it + 1 < items) prefetch_item(runs[(it + 1) / heads], (it + 1) % heads, k_cache, v_cache, slot_mapping,
+                                      heads, d, block_size);
     for (int64_t i = 0; i < n; ++i)
       convert_row(v_cache + (tile * block_size + off + i) * d, value + (t0 + i) * value_stride + h * d, d, v_inv);
     cache_keys(k_cache + tile * d * block_size + off, key + t0 * key_stride + h * d, key_stride, n, d, block_size,

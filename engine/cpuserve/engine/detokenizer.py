@@ -1,9 +1,17 @@
 """Incremental detokenization and stop strings for one sequence.
 
-Text is produced from the token ids with the tokenizer's own decode (so it is
-exactly what a full decode gives), holding back a trailing incomplete UTF-8
-character, and searched for stop strings only in the part that can contain a
-new match.
+Text is produced with the tokenizer's own decode, so it is what a full decode of the
+outputs gives, holding back a trailing incomplete UTF-8 character, and searched for stop
+strings only in the part that can contain a new match.
+
+Each update decodes a window, not the whole output: the tokens whose text came last (the
+context: a decoder strips the leading space of the first token it sees, or reads a byte
+sequence from its start, alike in both decodes) and the new ones; the new text is the
+window's past the context's. A whole decode per token costs O(length), O(length^2) a
+sequence (the default model's tokenizer: 9 us a token over 128 tokens, 264 us over 4,096).
+Where the window's text does not start with the context's (a rule across the boundary:
+transformers' clean_up_tokenization taking the context's last space before a new ".", or a
+byte-fallback group turned invalid), that token's text comes from a whole decode.
 """
 from __future__ import annotations
 
@@ -17,12 +25,14 @@ class Detokenizer:
         self.include_stop = include_stop_str_in_output
         self.text = ""
         self._max_stop = max((len(s) for s in stop), default=0)
+        self._start = 0  # the window's first token: the context begins here
+        self._done = 0   # tokens whose text is in self.text
 
     def update(self, output_ids: list[int], check_stop: bool = True) -> str | None:
         """Decodes the outputs so far; returns the stop string that matched, if any
         (the text is then cut at it)."""
-        text = self.tokenizer.decode(output_ids, skip_special_tokens=self.skip_special)
-        if text.endswith("\ufffd"):  # a multi-byte character not complete yet
+        text = self._decode(output_ids)
+        if text is None:  # nothing new, or a multi-byte character not complete yet
             return None
         prev = len(self.text)
         self.text = text
@@ -39,3 +49,31 @@ class Detokenizer:
         i, s = best
         self.text = text[: i + len(s)] if self.include_stop else text[:i]
         return s
+
+    def _decode(self, ids: list[int]) -> str | None:
+        """The text of all of ids, or None while it ends in an incomplete character or
+        when no token is new."""
+        n = len(ids)
+        if n == self._done:
+            return None
+        if n < self._done:
+            return self._decode_whole(ids)
+        decode = self.tokenizer.decode
+        context = decode(ids[self._start:self._done], skip_special_tokens=self.skip_special)
+        window = decode(ids[self._start:], skip_special_tokens=self.skip_special)
+        if window.endswith("\ufffd"):
+            return None
+        if not window.startswith(context):
+            return self._decode_whole(ids)
+        new = window[len(context):]
+        if new:  # these tokens are the next window's context; tokens with no text (skipped special
+            self._start = self._done  # ones) would be none: a decoder reads the first token it sees alike
+        self._done = n
+        return self.text + new
+
+    def _decode_whole(self, ids: list[int]) -> str | None:
+        text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+        if text.endswith("\ufffd"):
+            return None
+        self._start, self._done = 0, len(ids)  # the next window's context: all of ids
+        return text

@@ -92,4 +92,5 @@ class OutputProcessor:
                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                  logprobs=list(c.logprobs) if st.params.logprobs is not None else None)
                 for i, c in enumerate(st.completions)]
-        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, st.finished, st.num_cached_tokens)
+        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, st.finished, st.num_cached_tokens,
+                             st.queued_s)

@@ -27,6 +27,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    queued_s: float | None = None  # arrival -> first scheduled, once the first token is out
 
 
 @dataclass

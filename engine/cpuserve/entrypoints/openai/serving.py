@@ -130,7 +130,7 @@ async def track(st: ServerState, gen: AsyncIterator[RequestOutput]) -> AsyncIter
         async for out in gen:
             n = sum(len(c.token_ids) for c in out.outputs)
             if n > seen:
-                timer.token()
+                timer.token(out.queued_s)
                 seen = n
             last = out
             yield out

@@ -125,7 +125,14 @@ def test_metrics_named_as_vllm(server, client):
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
                  "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
                  "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+                 "vllm:request_queue_time_seconds_bucket",
                  "vllm:request_success_total"):
         assert name in text, name
     gen = [ln for ln in text.splitlines() if ln.startswith("vllm:generation_tokens_total")]
     assert float(gen[0].split()[-1]) >= 3
+
+    def count(name):
+        return float(next(ln for ln in text.splitlines() if ln.startswith(name + "_count")).split()[-1])
+    # observed, not only declared: a first token, the two gaps after it, the request's end
+    assert count("vllm:time_to_first_token_seconds") >= 1 and count("vllm:inter_token_latency_seconds") >= 2
+    assert count("vllm:e2e_request_latency_seconds") >= 1 and count("vllm:request_queue_time_seconds") >= 1

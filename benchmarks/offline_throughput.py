@@ -150,7 +150,6 @@ def main() -> None:
 
 
 def write_report(results: dict, hf: dict, cold: dict) -> None:
-    import platform
     rows = []
     for name, label in (("q4_1", "Q4_1 blocks"), ("q4_1_i8", "Q4_1 blocks, int8 activations"), ("w8a8", "INT8 W8A8"),
                         ("f32", "float32"), ("bf16", "bfloat16")):
@@ -166,8 +165,7 @@ def write_report(results: dict, hf: dict, cold: dict) -> None:
                          kv_mb=r0["kv_touched_bytes"] / 2**20, rss_mb=max(r["peak_rss_bytes"] for r in runs) / 2**20,
                          overhead_mb=overhead, ratio_hf=tps / hf["tok_per_s"], vllm=VLLM_REFERENCE.get(label),
                          total=summarize(runs, "total_s")[0], isa=r0["isa"]))
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
+    cpu = readme_tables.cpu_name()
     lines = [
         "# Offline throughput and latency (`make bench`)",
         "",

@@ -24,7 +24,6 @@ import asyncio
 import hashlib
 import json
 import os
-import platform
 import re
 import socket
 import statistics
@@ -270,8 +269,7 @@ def attempt(results: dict, key: str, fn) -> None:
 def machine() -> dict:
     from cpuserve_topology import read_topology
     cpuinfo = Path("/proc/cpuinfo").read_text()
-    name = next((ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")),
-                platform.machine())
+    name = readme_tables.cpu_name()
     flags = next((ln.split(":", 1)[1].split() for ln in cpuinfo.splitlines() if re.match(r"^(flags|Features)", ln)), [])
     keep = sorted(f for f in flags if re.match(r"^(avx|fma|f16c|amx|asimd|sve|bf16|vnni)", f))
     topo = read_topology()

@@ -1,10 +1,19 @@
 """Keeps the README's benchmark tables equal to the latest `make bench` output:
-each bench script replaces the block between its markers."""
+each bench script replaces the block between its markers. Every table names the CPU it ran on
+(cpu_name)."""
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
 
 
 def update(name: str, lines: list[str]) -> None:

@@ -10,21 +10,15 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
+from readme_tables import cpu_name
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "bench"
 BATCH, TOKENS = 32, 64
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
 
 
 def run(llm, spec) -> tuple[float, float]:

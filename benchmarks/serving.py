@@ -2,9 +2,12 @@
 
 For each concurrency C (1, 4, 16, 64), C clients stream completions back to back
 (prompt of 128 random token ids, 128 output tokens, greedy, ignore_eos) over
-loopback. Reported per level: time to first token and inter-token latency
-(p50/p99) and output tokens/s. Batch-1 inter-token latency is also set against
-the offline engine's decode latency measured in the same process tree, which is
+loopback; then 4 clients with 1,024 output tokens (long streams: what the API
+process spends a token must not grow with the output). Reported per level: time
+to first token and inter-token latency (p50/p99), output tokens/s, and the API
+process's CPU time per output token (on a machine with few cores, CPU the
+engine's threads lose). Batch-1 inter-token latency is also set against the
+offline engine's decode latency measured in the same process tree, which is
 what the API process adds per token. Writes docs/bench/serving.{md,json,png}.
 """
 from __future__ import annotations
@@ -27,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "bench"
 LEVELS = [int(x) for x in os.environ.get("BENCH_CONCURRENCY", "1,4,16,64").split(",")]
 INPUT_LEN, OUTPUT_LEN = 128, 128
+LONG = (4, 1024)  # streams, output tokens each
 VLLM_REFERENCE = {1: {"ttft_ms": 238, "itl_ms": 35.6}, 16: {"tok_s": 150, "ttft_ms": 3200}}
 
 
@@ -60,8 +64,14 @@ def start_server(dtype: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("server did not start")
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int]) -> dict:
-    body = {"prompt": prompt, "max_tokens": OUTPUT_LEN, "temperature": 0, "ignore_eos": True, "stream": True}
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], output_len: int = OUTPUT_LEN) -> dict:
+    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True}
     t0 = time.perf_counter()
     stamps = []
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -75,27 +85,32 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int]) ->
             "start": t0}
 
 
-async def level(url: str, concurrency: int, prompts: list[list[int]], keepalive: bool = True) -> dict:
+async def level(url: str, concurrency: int, prompts: list[list[int]], keepalive: bool = True,
+                output_len: int = OUTPUT_LEN, server_pid: int | None = None) -> dict:
     """`keepalive=False`: a new connection per request (llama-server closes a connection after a
-    streamed response, and a reused one then fails)."""
+    streamed response, and a reused one then fails). With `server_pid`, that process's CPU time
+    per output token (the timed part only)."""
     per_client = max(1, 4 // concurrency) if concurrency < 4 else (2 if concurrency <= 16 else 1)
     results = []
 
     async def client_loop(c, i):
         for k in range(per_client):
-            results.append(await one_request(c, url, prompts[(i * per_client + k) % len(prompts)]))
+            results.append(await one_request(c, url, prompts[(i * per_client + k) % len(prompts)], output_len))
 
     limits = httpx.Limits() if keepalive else httpx.Limits(max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=600, limits=limits) as c:
-        await one_request(c, url, prompts[0])  # warm-up
+        await one_request(c, url, prompts[0], output_len)  # warm-up
+        cpu0 = cpu_seconds(server_pid) if server_pid else 0.0
         t0 = time.perf_counter()
         await asyncio.gather(*(client_loop(c, i) for i in range(concurrency)))
         wall = time.perf_counter() - t0
+        cpu = cpu_seconds(server_pid) - cpu0 if server_pid else None
     ttft = [r["ttft"] * 1e3 for r in results]
     itl = [x * 1e3 for r in results for x in r["itl"]]
-    return {"concurrency": concurrency, "requests": len(results), "wall_s": wall,
-            "tok_s": len(results) * OUTPUT_LEN / wall, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
-            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99)}
+    tokens = len(results) * output_len
+    return {"concurrency": concurrency, "output_len": output_len, "requests": len(results), "wall_s": wall,
+            "tok_s": tokens / wall, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
+            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99), "api_cpu_us_per_token": cpu / tokens * 1e6 if cpu is not None else None}
 
 
 def offline_decode_ms(dtype: str) -> float:
@@ -116,11 +131,11 @@ def main() -> None:
     proc, url = start_server(dtype)
     try:
         rows = []
-        for c in LEVELS:
-            rows.append(asyncio.run(level(url, c, prompts)))
+        for c, n in [(c, OUTPUT_LEN) for c in LEVELS] + [LONG]:
+            rows.append(asyncio.run(level(url, c, prompts, output_len=n, server_pid=proc.pid)))
             r = rows[-1]
-            print(f"[serving c={c}] {r['tok_s']:.1f} tok/s, TTFT p50 {r['ttft_p50']:.0f} ms, "
-                  f"ITL p50 {r['itl_p50']:.1f} ms", flush=True)
+            print(f"[serving c={c}, {n} out] {r['tok_s']:.1f} tok/s, TTFT p50 {r['ttft_p50']:.0f} ms, "
+                  f"ITL p50 {r['itl_p50']:.1f} ms, API CPU {r['api_cpu_us_per_token']:.0f} us/token", flush=True)
     finally:
         proc.terminate()
         proc.wait(30)
@@ -131,18 +146,23 @@ def main() -> None:
 def write(rows: list[dict], offline_ms: float, dtype: str) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     one = next((r for r in rows if r["concurrency"] == 1), None)
+    sweep = [r for r in rows if r["output_len"] == OUTPUT_LEN]  # the plot: the concurrency sweep
     weights = "its Q4_1 blocks" if dtype == "gguf" else f"{dtype} weights"
     lines = ["# Serving benchmark (`make bench`)", "",
+             f"Machine: {readme_tables.cpu_name()}, {os.cpu_count()} CPUs. "
              f"`cpuserve serve` ({weights}) on the default model, streaming completions over loopback: "
-             f"{INPUT_LEN}-token prompts (random ids), {OUTPUT_LEN} greedy output tokens, C concurrent clients "
-             "sending back to back.", "",
-             "| concurrency | requests | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | vLLM CPU (reported) |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"{INPUT_LEN}-token prompts (random ids), {OUTPUT_LEN} greedy output tokens ({LONG[1]:,} in the last "
+             f"row), C concurrent clients sending back to back. API CPU: the API process's CPU time per output token "
+             f"(on this {os.cpu_count()}-CPU machine, time the engine's threads lose).", "",
+             "| concurrency | output tokens | requests | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | "
+             "ITL p99 ms | API CPU us/token | vLLM CPU (reported) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ref = VLLM_REFERENCE.get(r["concurrency"], {})
+        ref = VLLM_REFERENCE.get(r["concurrency"], {}) if r["output_len"] == OUTPUT_LEN else {}
         ref_s = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in ref.items())
-        lines.append(f"| {r['concurrency']} | {r['requests']} | {r['tok_s']:.1f} | {r['ttft_p50']:.0f} | "
-                     f"{r['ttft_p99']:.0f} | {r['itl_p50']:.1f} | {r['itl_p99']:.1f} | {ref_s} |")
+        lines.append(f"| {r['concurrency']} | {r['output_len']:,} | {r['requests']} | {r['tok_s']:.1f} | "
+                     f"{r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | {r['itl_p50']:.1f} | {r['itl_p99']:.1f} | "
+                     f"{r['api_cpu_us_per_token']:.0f} | {ref_s} |")
     if one:
         lines += ["", f"API process overhead per token at 1 stream: ITL p50 {one['itl_p50']:.2f} ms served vs "
                   f"{offline_ms:.2f} ms offline decode step = {one['itl_p50'] - offline_ms:+.2f} ms."]
@@ -154,15 +174,15 @@ def write(rows: list[dict], offline_ms: float, dtype: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    cs = [r["concurrency"] for r in rows]
+    cs = [r["concurrency"] for r in sweep]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
-    axes[0].plot(cs, [r["tok_s"] for r in rows], "o-")
+    axes[0].plot(cs, [r["tok_s"] for r in sweep], "o-")
     axes[0].set_title("output tokens/s")
-    axes[1].plot(cs, [r["ttft_p50"] for r in rows], "o-", label="p50")
-    axes[1].plot(cs, [r["ttft_p99"] for r in rows], "s--", label="p99")
+    axes[1].plot(cs, [r["ttft_p50"] for r in sweep], "o-", label="p50")
+    axes[1].plot(cs, [r["ttft_p99"] for r in sweep], "s--", label="p99")
     axes[1].set_title("time to first token (ms)")
-    axes[2].plot(cs, [r["itl_p50"] for r in rows], "o-", label="p50")
-    axes[2].plot(cs, [r["itl_p99"] for r in rows], "s--", label="p99")
+    axes[2].plot(cs, [r["itl_p50"] for r in sweep], "o-", label="p50")
+    axes[2].plot(cs, [r["itl_p99"] for r in sweep], "s--", label="p99")
     axes[2].set_title("inter-token latency (ms)")
     for ax in axes:
         ax.set_xscale("log", base=2)

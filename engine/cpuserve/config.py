@@ -36,6 +36,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None      # exact block count (tests); overrides kv_cache_space
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: max(2048, max_model_len) when not chunking
+    # with chunked prefill, prompt tokens in a step that also decodes (None / 0: the whole budget)
+    max_prefill_tokens_while_decoding: int | None = None
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -55,6 +57,9 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 0:
+            raise ValueError("max_prefill_tokens_while_decoding must be >= 0 (0: no cap), got "
+                             f"{self.max_prefill_tokens_while_decoding}")
         if self.quantization not in (None, "auto", "gguf", "awq", "gptq", "none"):
             raise ValueError(f"quantization must be auto, gguf, awq, gptq or none, got {self.quantization!r}")
         if self.quantized_activations not in ("none", "int8"):

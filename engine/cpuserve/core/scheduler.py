@@ -7,6 +7,11 @@ a running sequence cannot get a block, the most recently arrived running
 sequence is preempted: its blocks are freed and it goes back to the front of
 the queue, to be recomputed later (its finished prefix blocks usually come back
 from the prefix cache). Waiting sequences are never overtaken (FCFS).
+
+With chunked prefill, a step that decodes may be held to fewer prompt tokens
+than its budget (max_prefill_tokens_while_decoding, as Sarathi-Serve's
+stall-free batching): the decoding sequences then wait out one short step, not
+one long one, for the prompts that join them.
 """
 from __future__ import annotations
 
@@ -52,10 +57,12 @@ def admission_error(prompt_len: int, max_tokens: int | None, max_model_len: int,
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True):
+                 max_model_len: int, enable_chunked_prefill: bool = True,
+                 max_prefill_tokens_while_decoding: int | None = None):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
         self.max_model_len = max_model_len
         self.chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
@@ -77,15 +84,28 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- one step -------------------------------------------------------------------
+    def prefill_budget(self) -> int:
+        """Prompt tokens (new prompts, next chunks) this step may take: the whole token budget,
+        or with chunked prefill max_prefill_tokens_while_decoding when a running sequence has
+        one token to compute (it decodes)."""
+        cap = self.max_prefill_tokens_while_decoding
+        if cap and self.chunked_prefill and any(s.num_uncomputed == 1 for s in self.running):
+            return min(cap, self.max_num_batched_tokens)
+        return self.max_num_batched_tokens
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
+        budget, prefill = self.max_num_batched_tokens, self.prefill_budget()
 
         # 1. running sequences, oldest first
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed, budget)
+            chunk = seq.num_uncomputed > 1  # the rest of a prompt (or of a recomputation)
+            n = min(seq.num_uncomputed, budget, prefill if chunk else 1)
+            if n == 0:  # no prompt tokens left this step: it waits, the decodes after it go on
+                i += 1
+                continue
             while not self.bm.can_allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
@@ -96,18 +116,19 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.num_tokens.append(n)
                 budget -= n
+                prefill -= n if chunk else 0
                 i += 1
                 continue
             break  # seq itself was preempted: nothing after it remains
 
         # 2. waiting sequences, in arrival order
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and min(budget, prefill) > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             prefix = self.bm.match_prefix(seq)
             uncomputed = len(seq) - len(prefix) * self.bm.block_size
             if uncomputed > budget and not self.chunked_prefill:
                 break
-            n = min(uncomputed, budget)
+            n = min(uncomputed, budget, prefill)
             if not self.bm.can_allocate(seq, n, prefix):
                 break
             self.waiting.popleft()
@@ -118,6 +139,7 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             budget -= n
+            prefill -= n
         return batch
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:

@@ -35,7 +35,7 @@ class EngineCore:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.resolve_batched_tokens(self.max_model_len), self.max_model_len,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, config.max_prefill_tokens_while_decoding)
         self.eos_token_ids = self.runner.sampler.eos_token_ids
         self.requests: dict[str, _Request] = {}
         self.stats = CoreStats()

@@ -82,6 +82,59 @@ def test_token_budget_chunks_prefills_and_keeps_fcfs():
     assert batch.seqs == [a, b, c] and batch.num_tokens == [1, 1, 10]
 
 
+def test_prompt_tokens_capped_only_in_steps_that_decode():
+    bm = BlockManager(100, BS)
+    s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1000,
+                  max_prefill_tokens_while_decoding=20)
+    a, b, c, d = seq(40), seq(30, 100), seq(30, 200), seq(30, 300)
+    for x in (a, b):
+        s.add(x)
+    batch = s.schedule()  # nothing decodes yet: the whole budget goes to prompts
+    assert batch.seqs == [a, b] and batch.num_tokens == [40, 24]
+    run_step(s, batch)
+    s.add(c)
+    s.add(d)
+    batch = s.schedule()  # a decodes: b's last chunk and c's first share 20 prompt tokens, d waits
+    assert batch.seqs == [a, b, c] and batch.num_tokens == [1, 6, 14]
+    run_step(s, batch)
+    batch = s.schedule()  # c's rest and the first of d within 20; a and b decode
+    assert batch.seqs == [a, b, c, d] and batch.num_tokens == [1, 1, 16, 4]
+    run_step(s, batch)
+    s.finish(a, FinishReason.LENGTH)
+    s.finish(b, FinishReason.LENGTH)
+    batch = s.schedule()  # c decodes: d's chunk is held to 20 although 63 tokens are free
+    assert batch.seqs == [c, d] and batch.num_tokens == [1, 20]
+
+
+def test_prompt_chunk_held_back_lets_later_decodes_run():
+    bm = BlockManager(100, BS)
+    s = Scheduler(bm, 8, 64, 1000, max_prefill_tokens_while_decoding=8)
+    a, b = seq(4), seq(60, 100)
+    s.add(a)
+    run_step(s, s.schedule())
+    s.add(b)
+    run_step(s, s.schedule())  # a decodes, b takes 8 of its 60
+    c = seq(4, 300)
+    s.add(c)
+    batch = s.schedule()  # b (running, before c) takes the 8; c, a short prompt, waits
+    assert batch.seqs == [a, b] and batch.num_tokens == [1, 8]
+    run_step(s, batch)
+    s.max_prefill_tokens_while_decoding = 0  # 0: no cap
+    batch = s.schedule()
+    assert batch.seqs == [a, b, c] and batch.num_tokens == [1, 44, 4]
+
+
+def test_prompt_cap_ignored_without_chunked_prefill():
+    bm = BlockManager(100, BS)
+    s = Scheduler(bm, 8, 64, 1000, enable_chunked_prefill=False, max_prefill_tokens_while_decoding=8)
+    a, b = seq(4), seq(40, 100)
+    s.add(a)
+    run_step(s, s.schedule())
+    s.add(b)
+    batch = s.schedule()  # a prompt cannot be split without chunking: b is taken whole
+    assert batch.seqs == [a, b] and batch.num_tokens == [1, 40]
+
+
 def test_no_chunking_waits_for_budget():
     bm = BlockManager(100, BS)
     s = Scheduler(bm, 8, 64, 1000, enable_chunked_prefill=False)

@@ -1,6 +1,6 @@
 """Batch invariance on the real model: every prompt gives the same greedy tokens
 alone and inside a batch of 32 mixed-length prompts, with prefix caching on and
-off, chunked prefill on and off, and with a cache small enough to force
+off, chunked prefill on and off, prompt tokens capped in steps that decode, and with a cache small enough to force
 preemption. (Exact equality: the kernels make a row's result independent of the
 batch it is computed in.)"""
 import pytest
@@ -49,7 +49,8 @@ def test_same_tokens_in_a_batch(llm_f32, prompts, alone):
     dict(enable_chunked_prefill=False, max_num_batched_tokens=4096, max_model_len=2048),
     dict(enable_chunked_prefill=True, max_num_batched_tokens=48),   # prompts split into many chunks
     dict(block_size=32, max_num_seqs=5),
-], ids=["no-prefix-cache", "no-chunked-prefill", "small-chunks", "block32-maxseqs5"])
+    dict(max_num_batched_tokens=256, max_prefill_tokens_while_decoding=16),  # prompts trickle in beside decodes
+], ids=["no-prefix-cache", "no-chunked-prefill", "small-chunks", "block32-maxseqs5", "prefill-capped-while-decoding"])
 def test_same_tokens_across_engine_settings(prompts, alone, kwargs):
     llm = LLM(dtype="float32", **{"block_size": 16, "kv_cache_space": 0.5, **kwargs})
     assert _batched(llm, prompts) == alone

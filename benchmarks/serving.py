@@ -110,7 +110,8 @@ async def level(url: str, concurrency: int, prompts: list[list[int]], keepalive:
     tokens = len(results) * output_len
     return {"concurrency": concurrency, "output_len": output_len, "requests": len(results), "wall_s": wall,
             "tok_s": tokens / wall, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
-            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99), "api_cpu_us_per_token": cpu / tokens * 1e6 if cpu is not None else None}
+            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
+            "api_cpu_us_per_token": cpu / tokens * 1e6 if cpu is not None else None}
 
 
 def offline_decode_ms(dtype: str) -> float:

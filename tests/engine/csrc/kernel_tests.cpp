@@ -357,7 +357,7 @@ TEST(Quantized, GemmEqualsDenseOnDequantizedWeightsEveryTable) {
       std::vector<float> dense(((n + tab->gemm_nr - 1) / tab->gemm_nr) * tab->gemm_nr * k);
       tab->pack_weight(dense.data(), w.data(), DType::F32, n, k);
       auto bias = randn(n, 7);
-      for (int64_t m : {1, 2, 3, 7, 50}) {
+      for (int64_t m : {1, 2, 3, 7, 8, 9, 17, 33, 50}) {  // decode path: 8 rows a pass up to 32 (or 8)
         auto a = randn(m * k, 8 + m);
         std::vector<float> c1(m * n), c2(m * n);
         tab->qgemm(c1.data(), a.data(), packed.data(), t, bias.data(), m, n, k, k, n);

@@ -192,7 +192,10 @@ void check_gemm(const KernelTable* v, DType dt, int64_t m, int64_t n, int64_t k)
 }
 
 TEST_P(VectorVsScalar, GemmAllDtypes) {
-  for (auto shape : std::vector<std::array<int64_t, 3>>{{1, 96, 64}, {13, 70, 33}, {50, 130, 400}, {300, 70, 40}}) {
+  // 1-8 rows: one pass over the weights (gemm.hpp kPassRows); more: row tiles
+  const std::vector<std::array<int64_t, 3>> shapes{{1, 96, 64}, {3, 96, 64}, {7, 70, 33}, {8, 200, 576},
+                                                   {13, 70, 33}, {50, 130, 400}, {300, 70, 40}};
+  for (auto shape : shapes) {
     check_gemm<float>(GetParam(), DType::F32, shape[0], shape[1], shape[2]);
     check_gemm<bf16>(GetParam(), DType::BF16, shape[0], shape[1], shape[2]);
 #if !defined(__s390x__)

@@ -274,8 +274,10 @@ def test_paged_attention_decode_heads_split_or_whole(kern, dtype):
 
 
 @pytest.mark.parametrize("dtype", STORAGE)
-@pytest.mark.parametrize("m,n,k", [(1, 576, 576), (7, 100, 33), (64, 192, 576), (50, 49, 1536), (3, 1, 5), (300, 70, 40),
-                                   (9, 40, 4200)])  # the last: K blocks (gemm.hpp k_block) where L2 <= 2 MiB (float32), 1 MiB (bfloat16)
+# 1-8 rows run in one pass over the weights (gemm.hpp kPassRows); K = 4,200: K blocks (gemm.hpp
+# k_block) where the L2 is at most 2 MiB (float32), 1 MiB (bfloat16)
+@pytest.mark.parametrize("m,n,k", [(1, 576, 576), (7, 100, 33), (8, 200, 576), (64, 192, 576), (50, 49, 1536), (3, 1, 5),
+                                   (300, 70, 40), (9, 40, 4200), (8, 40, 4200)])
 def test_gemm(kern, dtype, m, n, k):
     torch.manual_seed(m + n + k)
     x, w, b = torch.randn(m, k), torch.randn(n, k).to(dtype), torch.randn(n)
@@ -290,7 +292,7 @@ def test_gemm_rows_independent_of_batch(kern):
     full = ops.linear(x, w, k=kern)  # 300 rows: more than one row tile on any L2 (gemm.hpp row_tiles)
     for i in (0, 5, 66, 299):
         assert torch.equal(ops.linear(x[i:i + 1], w, k=kern), full[i:i + 1])
-    for lo, hi in ((10, 23), (0, 67), (20, 290)):
+    for lo, hi in ((10, 23), (3, 10), (40, 48), (0, 67), (20, 290)):  # 7 and 8 rows: one pass (gemm.hpp kPassRows)
         assert torch.equal(ops.linear(x[lo:hi], w, k=kern), full[lo:hi])
 
 

@@ -281,17 +281,14 @@ void q_decode_gemm(float* c, const float* a, const uint8_t* w, const float* bias
 #pragma omp parallel for schedule(static) if (n * nb * qformat(T).block > 32768)
   for (int64_t g = 0; g < pairs; ++g) {
     const int64_t p = 2 * g;
-    bool both = (p + 2) * kNR <= n;
-    if constexpr (MR <= 2) {  // two panels' accumulators fit the registers; more rows take one at a time
-      if (both) q_micro<T, MR, 2>(a, lda, w + p * ps, ps, nb, c + p * kNR, ldc, kNR);
-    } else {
-      both = false;
-    }
-    if (!both) {
+    // two panels at once where their accumulators fit the registers (up to 2 rows), else one at a time
+    const bool two = MR <= 2 && (p + 2) * kNR <= n;
+    if constexpr (MR <= 2)
+      if (two) q_micro<T, MR, 2>(a, lda, w + p * ps, ps, nb, c + p * kNR, ldc, kNR);
+    if (!two)
       for (int64_t q = p; q < std::min(panels, p + 2); ++q)
         q_micro<T, MR, 1>(a, lda, w + q * ps, ps, nb, c + q * kNR, ldc,
                           static_cast<int>(std::min<int64_t>(kNR, n - q * kNR)));
-    }
     if (bias != nullptr)
       for (int64_t r = 0; r < MR; ++r)
         for (int64_t col = p * kNR; col < std::min(n, (p + 2) * kNR); ++col) c[r * ldc + col] += bias[col];

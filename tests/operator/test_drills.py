@@ -35,6 +35,7 @@ RESYNC, WATCH_TIMEOUT = 10, 5  # resync: the production default
 RUNNING = json.dumps({"status": {"phase": "Running", "podIP": "10.1.0.1", "conditions": [
     {"type": "Ready", "status": "True"}, {"type": "ContainersReady", "status": "True"}]}})
 QUIET_S = 8  # the window after convergence in which an operator at rest must not write
+HANDLED = "cpuserve.dev/last-handled-configuration"  # kopf's diff base (handlers.py: AnnotationsDiffBaseStorage)
 POLICY = """apiVersion: audit.k8s.io/v1
 kind: Policy
 omitStages: [ResponseStarted]
@@ -168,11 +169,18 @@ def servers(plane) -> list[dict]:
     return plane.get("cms", "-n", NS)["items"]
 
 
+def handled(cr: dict | None) -> bool:
+    """kopf has recorded the CR's current spec as handled (its diff base, written in a patch of its own
+    after the handler's status patch): until then the operator is not at rest."""
+    base = ((cr or {}).get("metadata", {}).get("annotations") or {}).get(HANDLED)
+    return base is not None and json.loads(base).get("spec") == cr.get("spec")
+
+
 def ready(plane, name: str, replicas: int, spec_hash: str | None = None) -> bool:
     cr = next((s for s in servers(plane) if s["metadata"]["name"] == name), None)
     st = (cr or {}).get("status", {})
     pods = live(all_pods(plane), name)
-    return (st.get("phase") == "Ready" and st.get("readyReplicas") == replicas and len(pods) == replicas
+    return (st.get("phase") == "Ready" and st.get("readyReplicas") == replicas and len(pods) == replicas and handled(cr)
             and (spec_hash is None or all(p["metadata"]["labels"]["cpuserve.dev/spec-hash"] == spec_hash
                                           for p in pods)))
 

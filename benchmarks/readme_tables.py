@@ -9,11 +9,22 @@ from pathlib import Path
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
+def cpu_name(cpuinfo: str | None = None) -> str:
+    """The CPU's model name with its family and model numbers: a VM may name two generations
+    alike ("AMD EPYC" is Zen 4 as family 25 model 17 and Zen 5 as family 26), and a table must
+    say which one it ran on."""
+    try:
+        text = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
+    except OSError:
+        return platform.machine()
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or platform.machine()
+    if fields.get("cpu family") and fields.get("model"):
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def update(name: str, lines: list[str]) -> None:

@@ -69,19 +69,26 @@ def run_engine_core(config, input_addr: str, output_addr: str) -> None:
 
 
 def busy_loop(core, pull, send, parent: int) -> None:
-    """Takes in requests, steps while there is work, sends each step's outputs.
+    """Takes in requests, steps while there is work, sends each step's outputs; while idle,
+    populates the KV cache's pages (worker/kv_cache.py Populator) if some are left.
     Returns on SHUTDOWN or when the API process is gone."""
     import zmq
 
+    from cpuserve.worker.kv_cache import QUIET_S
+
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
+    populator = getattr(core.runner, "kv_populator", None)  # (a pooling runner has no KV cache)
     while True:
-        # block while idle (waking up to notice a dead parent); drain without waiting while busy
-        timeout = 0 if core.has_unfinished() else 1000
+        # block while idle (waking up to notice a dead parent, or after a quiet spell to
+        # populate); drain without waiting while busy
+        populating = populator is not None and populator.pending
+        timeout = 0 if core.has_unfinished() else int(QUIET_S * 1000) if populating else 1000
+        quiet = True
         while poller.poll(timeout):
             if not handle(core, send, *pickle.loads(pull.recv())):
                 return
-            timeout = 0
+            timeout, quiet = 0, False
         if os.getppid() != parent:
             log.error("API process is gone: engine core exiting")
             return
@@ -89,6 +96,8 @@ def busy_loop(core, pull, send, parent: int) -> None:
         if core.has_unfinished():
             outputs = core.step()
             send(OUTPUTS, outputs, core.snapshot_stats())
+        elif populating and quiet:
+            populator.run_while(lambda: not poller.poll(0))
 
 
 def handle(core, send, kind: str, *payload) -> bool:

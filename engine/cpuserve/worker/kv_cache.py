@@ -4,6 +4,8 @@ layer's keys and values are views of."""
 from __future__ import annotations
 
 import logging
+import mmap
+import time
 
 import torch
 
@@ -13,6 +15,7 @@ from cpuserve.model_executor.parallel import TPGroup
 from cpuserve.platform import pages
 
 log = logging.getLogger("cpuserve.worker")
+PAGE = mmap.PAGESIZE
 
 
 def block_bytes(layers, kv_dtype: torch.dtype, block_size: int) -> int:
@@ -154,14 +157,80 @@ def process_baseline() -> int:
     return 0
 
 
-def allocate(layers, blocks: int, block_size: int, kv_dtype: torch.dtype) -> torch.Tensor:
-    """One tensor for every layer's keys and values, bound to the layers as views. Its pages are
-    faulted in before it is used (platform/pages.py): a page fault every 4 KiB of keys and values
-    written cost a 128-token prefill 1.7 ms until the cache had been used through once."""
+def allocate(layers, blocks: int, block_size: int, kv_dtype: torch.dtype,
+             populate: str = "start") -> tuple[torch.Tensor, Populator | None]:
+    """One tensor for every layer's keys and values, bound to the layers as views, and what
+    populates its pages ahead of use (platform/pages.py): all of them now (`start`), the first
+    256 MiB now and the rest while the engine is idle (`idle`: the Populator returned), or none
+    (`off`: faulted in as blocks fill)."""
     a = layers[0]
     cache = torch.empty((len(layers), 2, blocks, a.num_kv_heads, block_size, a.head_dim), dtype=kv_dtype)
-    log.info("KV cache of %.2f GiB: %s", cache.numel() * cache.element_size() / GiB, pages.populate(cache))
+    size, populator = cache.numel() * cache.element_size(), None
+    if populate == "start":
+        how = pages.populate(cache)
+    elif populate == "idle":
+        populator = Populator(cache)
+        t0 = time.perf_counter()
+        populator.advance(populator.blocks_in(HEAD_BYTES))
+        how = (f"{min(HEAD_BYTES, size) / 2**20:.0f} MiB populated in {time.perf_counter() - t0:.2f} s, "
+               "the rest to be while the engine is idle")
+    else:
+        how = "left to fault in as it is used (CPUSERVE_KV_POPULATE=off)"
+    log.info("KV cache of %.2f GiB: %s", size / GiB, how)
     k_shape, _ = ops.cache_shapes(blocks, a.num_kv_heads, block_size, a.head_dim)
     for i, layer in enumerate(layers):  # keys transposed in each block (ops.cache_shapes)
         layer.k_cache, layer.v_cache = cache[i, 0].view(k_shape), cache[i, 1]
-    return cache
+    return cache, (populator if populator is not None and populator.pending else None)
+
+
+HEAD_BYTES = 256 << 20  # populated before an idle-populated cache is ready: the first requests' blocks
+SLICE_BYTES = 8 << 20   # populated at a time while idle: what a request arriving meanwhile may wait for
+QUIET_S = 0.05          # idle this long (no request) before populating: not in the gaps between requests
+
+
+class Populator:
+    """Faults in a KV cache's pages a block range at a time, lowest block first: the order in
+    which the block manager hands out blocks never used (its free queue starts in id order), so
+    the blocks requests reach first are those populated first. Blocks already in use when their
+    turn comes cost only a walk of their page tables."""
+
+    def __init__(self, cache: torch.Tensor):
+        elem = cache.element_size()
+        self.cache = cache  # (its memory must outlive the pointers below)
+        self.slices = [cache[i, j].data_ptr() for i in range(cache.shape[0]) for j in range(cache.shape[1])]
+        self.num_blocks = cache.shape[2]
+        self.block_slice = cache[0, 0, 0].numel() * elem  # one block of one layer's keys (or values)
+        self.next, self.seconds, self.error = 0, 0.0, None
+
+    @property
+    def pending(self) -> bool:
+        return self.error is None and self.next < self.num_blocks
+
+    def blocks_in(self, nbytes: int) -> int:
+        return max(1, nbytes // (self.block_slice * len(self.slices)))
+
+    def advance(self, blocks: int) -> None:
+        """Populates the next `blocks` blocks (fewer at the end) of every layer's keys and values."""
+        t0 = time.perf_counter()
+        lo, hi = self.next, min(self.num_blocks, self.next + blocks)
+        for base in self.slices:
+            # every page the range touches: one it shares with a neighbour (even one outside the
+            # cache: mapped, since the cache has bytes on it) is populated by both, unchanged
+            a, b = base + lo * self.block_slice, base + hi * self.block_slice
+            a, b = a - a % PAGE, b + -b % PAGE
+            self.error = pages.populate_range(a, b - a)
+            if self.error:
+                log.warning("KV cache: populating stopped at block %d (MADV_POPULATE_WRITE: %s); the rest "
+                            "faults in as it is used", lo, self.error)
+                return
+        self.next = hi
+        self.seconds += time.perf_counter() - t0
+
+    def run_while(self, keep_going) -> None:
+        """Populates a slice at a time while there is more and keep_going() says so."""
+        step, did = self.blocks_in(SLICE_BYTES), False
+        while self.pending and keep_going():
+            self.advance(step)
+            did = True
+        if did and not self.pending and self.error is None:
+            log.info("KV cache: every block populated (%.2f s of idle time)", self.seconds)

@@ -8,6 +8,7 @@ import ctypes
 import gc
 import mmap
 
+import pytest
 import torch
 
 from cpuserve.platform import pages
@@ -101,12 +102,19 @@ def test_populating_commits_every_page_and_changes_no_byte():
     assert resident(t.data_ptr(), t.numel()) == 0
     written = torch.arange(0, t.numel(), 5 << 20)
     t[written] = 7  # a few pages already touched, with contents to keep
-    assert pages.populate(t, environ={}).startswith("populated in ")
+    assert pages.populate(t).startswith("populated in ")
     assert resident(t.data_ptr(), t.numel()) == t.numel()
     assert torch.all(t[written] == 7)
-    off = pages.huge_empty(8 << 20, advise=False)
-    assert pages.populate(off, environ={"CPUSERVE_KV_POPULATE": "0"}).endswith("(CPUSERVE_KV_POPULATE=0)")
-    assert resident(off.data_ptr(), off.numel()) == 0
+
+
+def test_populate_mode_from_the_environment_or_the_default():
+    assert pages.populate_mode("idle", environ={}) == "idle"
+    assert pages.populate_mode("start", environ={"CPUSERVE_KV_POPULATE": ""}) == "start"
+    for raw, mode in (("1", "start"), ("0", "off"), ("Idle", "idle"), ("start", "start"), (" off ", "off")):
+        assert pages.populate_mode("idle", environ={"CPUSERVE_KV_POPULATE": raw}) == mode
+    with pytest.raises(ValueError, match="CPUSERVE_KV_POPULATE must be start, idle or off.*'later'"):
+        pages.populate_mode("idle", environ={"CPUSERVE_KV_POPULATE": "later"})
+
 
 def test_weight_bytes_count_each_arena_tensor_and_each_view_once():
     from cpuserve.worker.model_runner import tensor_bytes

@@ -1,5 +1,6 @@
 """Sizing and allocating the paged KV cache, without a model: block bytes, block
 count from the configured space, the NUMA-node fit check and its message."""
+import mmap
 from types import SimpleNamespace
 
 import pytest
@@ -7,8 +8,10 @@ import torch
 
 from cpuserve.config import GiB, EngineConfig
 from cpuserve.model_executor.parallel import TPGroup
+from cpuserve.platform import pages
 from cpuserve.platform.binding import RankBinding
 from cpuserve.worker import kv_cache
+from tests.engine.platform.test_pages import resident
 
 
 def layers(n=3, kv_heads=2, head_dim=8):
@@ -40,7 +43,64 @@ def test_fit_check_names_the_node_and_the_numbers():
 
 def test_allocate_binds_views_to_the_layers():
     ls = layers()
-    cache = kv_cache.allocate(ls, 4, 16, torch.bfloat16)
-    assert cache.shape == (3, 2, 4, 2, 16, 8) and cache.dtype == torch.bfloat16
+    cache, populator = kv_cache.allocate(ls, 4, 16, torch.bfloat16)
+    assert cache.shape == (3, 2, 4, 2, 16, 8) and cache.dtype == torch.bfloat16 and populator is None
     ls[2].v_cache.fill_(1.5)
     assert cache[2, 1].eq(1.5).all() and cache[2, 0].data_ptr() == ls[2].k_cache.data_ptr()
+
+
+def fresh_cache(num_layers=2, blocks=64, kv_heads=3, block_size=16, head_dim=64, dtype=torch.bfloat16):
+    """A KV-cache-shaped tensor in a mapping of its own, nothing resident, starting 64 bytes into
+    a page: one block of one layer's keys is 6 KiB (bfloat16), so blocks share pages."""
+    shape = (num_layers, 2, blocks, kv_heads, block_size, head_dim)
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return pages.huge_empty(nbytes + 2 * mmap.PAGESIZE, advise=False)[64:64 + nbytes].view(dtype).view(shape)
+
+
+def test_populator_goes_block_by_block_in_every_layer_and_changes_no_byte():
+    cache = fresh_cache()
+    cache[1, 1, 40].fill_(2.5)  # a block in use before its turn: kept as it is
+    p = kv_cache.Populator(cache)
+    assert p.block_slice == 3 * 16 * 64 * 2 and p.pending and p.blocks_in(1) == 1
+    assert p.blocks_in(4 * p.block_slice * 10) == 10  # 4 slices: 2 layers' keys and values
+    p.advance(10)
+    assert p.next == 10 and p.pending
+    for layer in range(2):
+        for kv in range(2):
+            s = cache[layer, kv]
+            head, rest = s[:10], s[11:]
+            assert resident(head.data_ptr(), head.numel() * 2) >= head.numel() * 2  # every page it touches
+            lo = rest.data_ptr() + -rest.data_ptr() % mmap.PAGESIZE
+            hi = (rest.data_ptr() + rest.numel() * 2) // mmap.PAGESIZE * mmap.PAGESIZE
+            if (layer, kv) != (1, 1):  # (block 40 of layer 1's values was written)
+                assert resident(lo, hi - lo) == 0  # no page beyond block 10's
+    p.run_while(lambda: True)
+    assert not p.pending and p.next == 64 and p.error is None
+    assert resident(cache.data_ptr(), cache.numel() * 2) >= cache.numel() * 2
+    assert cache[1, 1, 40].eq(2.5).all()
+
+
+def test_populator_stops_when_told_and_when_the_kernel_refuses(monkeypatch):
+    p = kv_cache.Populator(fresh_cache())
+    monkeypatch.setattr(kv_cache, "SLICE_BYTES", 3 * p.block_slice * 4)  # 3 blocks' worth of 4 slices
+    answers = iter([True, True, False])
+    p.run_while(lambda: next(answers))
+    assert p.next == 6 and p.pending
+    monkeypatch.setattr(pages, "populate_range", lambda ptr, n: "Invalid argument")
+    p.run_while(lambda: True)  # (an old kernel: no MADV_POPULATE_WRITE) the rest is left to fault in
+    assert p.next == 6 and p.error == "Invalid argument" and not p.pending
+
+
+@pytest.mark.parametrize("mode", ["start", "idle", "off"])
+def test_allocate_populates_all_a_head_or_nothing(monkeypatch, mode):
+    ls = layers(n=2, kv_heads=3, head_dim=64)
+    block = 2 * 2 * 3 * 16 * 64 * 4  # every layer's keys and values of one float32 block
+    monkeypatch.setattr(kv_cache, "HEAD_BYTES", 5 * block)
+    cache, p = kv_cache.allocate(ls, 300, 16, torch.float32, mode)  # 28 MiB
+    assert cache.shape == (2, 2, 300, 3, 16, 64)
+    if mode == "idle":
+        assert p is not None and p.next == 5 and p.pending
+    else:
+        assert p is None
+    if mode == "start":
+        assert resident(cache.data_ptr(), cache.numel() * 4) >= cache.numel() * 4 - 2 * mmap.PAGESIZE

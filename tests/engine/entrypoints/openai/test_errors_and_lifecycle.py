@@ -327,3 +327,24 @@ def test_sigkill_of_the_api_process_takes_the_engine_core_down():
         assert not [(p.pid, p.name()) for p in alive]
     finally:
         s.stop()
+
+
+def test_kv_cache_is_populated_while_idle_and_answers_do_not_change():
+    """The server is ready with the KV cache's first 256 MiB populated; the rest (here 768 MiB)
+    is populated while no request runs, and committed: the engine core's resident memory ends
+    above the weights (~620 MiB as float32) plus the whole 1 GiB cache."""
+    s = Server()
+    try:
+        body = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
+        first = post(s, "/v1/completions", body).json()["choices"][0]["text"]
+        deadline = time.monotonic() + 120
+        while "every block populated" not in s.output() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        out = s.output()
+        assert "KV cache of 1.00 GiB: 256 MiB populated in" in out and "every block populated" in out, out
+        core = [p for p in psutil.Process(s.proc.pid).children(recursive=True)
+                if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
+        assert core[0].memory_info().rss > (1024 + 600) * 2**20
+        assert post(s, "/v1/completions", body).json()["choices"][0]["text"] == first
+    finally:
+        s.stop()

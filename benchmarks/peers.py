@@ -288,6 +288,8 @@ def main() -> None:
     def run(section: str, key: str, fn) -> None:
         if not only or (section, key) in only:
             attempt(res[section] if section != "top" else res, key, fn)
+            if only:  # the report says which rows are not from the full run, and when they ran
+                res.setdefault("reruns", {})[f"{section}:{key}"] = f"{time.strftime('%Y-%m-%d %H:%M')}, {commit()}"
     off = res["offline"]
     for dtype in ("float32", "bfloat16"):
         run("offline", f"cpuserve {dtype}", lambda: repeated(lambda: python_offline("cpuserve", dtype, gguf)))
@@ -314,6 +316,11 @@ def main() -> None:
     report(res)
 
 
+def commit() -> str:
+    out = subprocess.run(["git", "log", "-1", "--format=%h"], capture_output=True, text=True, cwd=OUT)
+    return f"commit {out.stdout.strip()}" if out.returncode == 0 else "commit unknown"
+
+
 def fmt(v: list | None, digits: int = 1) -> str:
     return "–" if not v else f"{v[0]:.{digits}f} / {v[1]:.{digits}f}"
 
@@ -333,6 +340,8 @@ def report(res: dict) -> None:
              f"{REPEATS} runs. Ratio: cpuserve's median over the peer's (throughput), or the peer's over cpuserve's "
              "(times), for the same weights (vLLM and llama.cpp F32 against cpuserve float32 or bfloat16, "
              "llama.cpp's quantized files against cpuserve on the same file): above 1x, cpuserve is ahead.", "",
+             *([f"Rerun alone after the full run (`PEERS_ONLY`), the other rows kept: "
+                f"{'; '.join(f'{k} ({v})' for k, v in res['reruns'].items())}.", ""] if res.get("reruns") else []),
              "| engine | offline 64 x 128/128 out tok/s | batch-1 decode ms/token | 2,048-token prefill s | "
              "ready s (warm) | peak RSS MiB | ratio: offline / batch-1 / prefill |",
              "|---|---|---|---|---|---|---|"]

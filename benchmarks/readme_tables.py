@@ -22,9 +22,21 @@ def cpu_name(cpuinfo: str | None = None) -> str:
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
     name = fields.get("model name") or platform.machine()
-    if fields.get("cpu family") and fields.get("model"):
-        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    if fields.get("cpu family", "").isdigit() and fields.get("model", "").isdigit():
+        family, model = int(fields["cpu family"]), int(fields["model"])
+        arch = amd_core(family, model) if fields.get("vendor_id") == "AuthenticAMD" else None
+        name += f" (family {family}, model {model}{': ' + arch if arch else ''})"
     return name
+
+
+def amd_core(family: int, model: int) -> str | None:
+    """The Zen generation of an AMD family / model pair (the kernel's and AMD's own tables:
+    family 0x17 is Zen to Zen 2, 0x19 Zen 3 and Zen 4, 0x1a Zen 5); None for any other."""
+    if family == 0x17:
+        return "Zen 2" if model >= 0x30 else "Zen / Zen+"
+    if family == 0x19:
+        return "Zen 4" if 0x10 <= model <= 0x1f or 0x60 <= model <= 0x7f or 0xa0 <= model <= 0xaf else "Zen 3"
+    return "Zen 5" if family == 0x1a else None
 
 
 def update(name: str, lines: list[str]) -> None:

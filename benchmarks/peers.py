@@ -289,7 +289,8 @@ def main() -> None:
         if not only or (section, key) in only:
             attempt(res[section] if section != "top" else res, key, fn)
             if only:  # the report says which rows are not from the full run, and when they ran
-                res.setdefault("reruns", {})[f"{section}:{key}"] = f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {commit()}"
+                when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+                res.setdefault("reruns", {})[f"{section}:{key}"] = f"{when}, {commit()}"
     off = res["offline"]
     for dtype in ("float32", "bfloat16"):
         run("offline", f"cpuserve {dtype}", lambda: repeated(lambda: python_offline("cpuserve", dtype, gguf)))

@@ -55,6 +55,7 @@ class Elector:
         self.api = client.CoordinationV1Api()
         self.seen: Observed | None = None
         self.leading = threading.Event()
+        self.stopping = threading.Event()  # set by a clean shutdown: keep_leading renews no more
 
     def _body(self, lease: dict | None, transition: bool) -> dict:
         now = _micro(dt.datetime.now(dt.timezone.utc))
@@ -112,10 +113,12 @@ class Elector:
             return False
 
     def keep_leading(self, on_lost) -> None:
-        """Renews until it cannot for renew_deadline seconds (or another holds the Lease): on_lost()."""
+        """Renews until it cannot for renew_deadline seconds (or another holds the Lease): on_lost().
+        Returns without it once stop() is called."""
         last_ok = time.monotonic()
         while True:
-            time.sleep(self.retry)
+            if self.stopping.wait(self.retry):
+                return
             if self._round():
                 last_ok = time.monotonic()
             elif self.seen is not None and self.seen.holder not in ("", self.me):
@@ -128,8 +131,13 @@ class Elector:
         self.leading.clear()
         on_lost()
 
+    def stop(self) -> None:
+        """No renewal starts after this (a renewal under way finishes): what a clean shutdown does
+        before release(), so that the Lease is not renewed again after it was handed over."""
+        self.stopping.set()
+
     def release(self) -> None:
-        """Hands the Lease over at once (a clean shutdown)."""
+        """Hands the Lease over at once (a clean shutdown, after stop())."""
         try:
             lease = client.ApiClient().sanitize_for_serialization(self.api.read_namespaced_lease(self.name, self.ns))
             if (lease.get("spec") or {}).get("holderIdentity") == self.me:

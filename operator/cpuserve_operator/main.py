@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.metrics_port:
         start_http_server(a.metrics_port)
-    elector = None
+    elector = keeper = None
     if not a.standalone:
         try:
             config.load_incluster_config()
@@ -87,12 +87,17 @@ def main(argv: list[str] | None = None) -> int:
         health.server_close()
         LEADER.set(1)
         # a leader that cannot renew stops at once: a standby is about to act
-        threading.Thread(target=elector.keep_leading, args=(lambda: os._exit(3),), daemon=True).start()
+        keeper = threading.Thread(target=elector.keep_leading, args=(lambda: os._exit(3),), daemon=True)
+        keeper.start()
     try:
         asyncio.run(kopf.operator(standalone=True, clusterwide=not a.namespace, namespaces=a.namespace or [],
                                   liveness_endpoint=a.liveness))
     finally:
         if elector is not None:
+            # renewals stop before the Lease is handed over (one after it would take it back), and
+            # no thread is left calling the API server while the interpreter shuts down
+            elector.stop()
+            keeper.join(timeout=30)
             elector.release()
     return 0
 

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -107,3 +108,27 @@ def test_one_acts_the_other_takes_over(cluster, pair):
     assert time.monotonic() - t0 < DURATION, "a released Lease is taken at once"
     for name in ("one", "two"):
         cluster.kubectl("delete", "cms", name, "-n", NS, "--wait=false")
+
+
+def test_a_stopped_elector_renews_no_more_and_its_release_holds(cluster):
+    """A clean shutdown stops the renewals before it hands the Lease over: one renewal after the
+    release would take the Lease back, and a fresh candidate would wait it out."""
+    from kubernetes import config
+
+    from cpuserve_operator.leader import Elector
+
+    cluster.kubectl("create", "namespace", NS, check=False)
+    config.load_kube_config(str(cluster.kubeconfig))
+    e = Elector(NS, "stop-test", "me", duration=4, renew_deadline=3, retry=0.2)
+    e.wait_until_leading()
+    lost = []
+    keeper = threading.Thread(target=e.keep_leading, args=(lambda: lost.append(True),))
+    keeper.start()
+    time.sleep(0.5)  # a few renewals
+    e.stop()
+    keeper.join(5)
+    assert not keeper.is_alive() and not lost
+    e.release()
+    time.sleep(1)  # five renewal periods
+    lease = json.loads(cluster.kubectl("get", "lease", "-n", NS, "stop-test", "-o", "json").stdout)
+    assert lease["spec"].get("holderIdentity") == ""

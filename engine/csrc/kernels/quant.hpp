@@ -222,7 +222,7 @@ inline void q_micro(const float* a, int64_t lda, const uint8_t* w_, int64_t ps, 
       // Decoding is slow per byte, so the hardware prefetchers run too close behind: fetch each
       // panel's stream kQPrefetch bytes ahead (its own bytes only), a group's share of the block's
       // lines at a time: a K-quant's block (256 rows, 4.6 KB a panel) fetched at once was a burst
-      // of 144 lines for two panels, and from memory Q4_K ran 1.6x slower than Q4_1 (cached 1.1x).
+      // of 144 lines for two panels, and from memory Q4_K ran 1.5x slower than Q4_1 (cached 1.1x).
       const int64_t lo = b * cb + g * cb / kGroups + kQPrefetch, hi = b * cb + (g + 1) * cb / kGroups + kQPrefetch;
       for (int q = 0; q < NP; ++q)
         for (int64_t line = (lo + 63) / 64; line < std::min((hi + 63) / 64, (ps + 63) / 64); ++line)

@@ -44,11 +44,6 @@ cpuserve::QFormat qformat_checked(int t, int64_t k) {
   return f;
 }
 
-// The int8-dot GEMM runs the types whose codes have at most 6 bits (kernels/qdot.hpp).
-void qdot_checked(int t, int64_t k) {
-  if (qformat_checked(t, k).bits > 6)
-    throw std::invalid_argument("GGUF type id " + std::to_string(t) + " has 8-bit codes: no int8-dot GEMM for it");
-}
 
 std::vector<std::string> available_isas() {
   std::vector<std::string> out;
@@ -117,7 +112,7 @@ PYBIND11_MODULE(_C, m) {
     l.k = std::get<0>(s);
     l.bias = std::get<1>(s) ? ptr<const float>(std::get<1>(s)) : nullptr;
     for (const auto& [w, kind, n] : std::get<2>(s)) {
-      if (kind >= cpuserve::kQDotKind) qdot_checked(kind - cpuserve::kQDotKind, l.k);
+      if (kind >= cpuserve::kQDotKind) qformat_checked(kind - cpuserve::kQDotKind, l.k);
       else if (kind == cpuserve::kInt8Kind || kind == cpuserve::kInt8Kind + 1) {}  // W8A8
       else if (kind >= 16) qformat_checked(kind - 16, l.k);
       else to_dtype(kind);
@@ -258,18 +253,18 @@ PYBIND11_MODULE(_C, m) {
              return k.t->qdpacked_bytes(qt, n, kk);
            })
       .def("qdpack", [](const Kernels& k, uintptr_t dst, uintptr_t src, int qt, int64_t n, int64_t kk) {
-             qdot_checked(qt, kk);
+             qformat_checked(qt, kk);
              k.t->qdpack(ptr<uint8_t>(dst), ptr<const uint8_t>(src), qt, n, kk);
            }, G())
       .def("qdgemm", [](const Kernels& k, uintptr_t c, uintptr_t a, uintptr_t w, int qt, uintptr_t bias, int64_t m,
                         int64_t n, int64_t kk, int64_t lda, int64_t ldc) {
-             qdot_checked(qt, kk);
+             qformat_checked(qt, kk);
              k.t->qdgemm(ptr<float>(c), ptr<const float>(a), ptr<const uint8_t>(w), qt,
                          bias ? ptr<const float>(bias) : nullptr, m, n, kk, lda, ldc);
            }, G())
       .def("qdrows", [](const Kernels& k, uintptr_t out, uintptr_t w, int qt, uintptr_t ids, int64_t count,
                         int64_t kk) {
-             qdot_checked(qt, kk);
+             qformat_checked(qt, kk);
              k.t->qdrows(ptr<float>(out), ptr<const uint8_t>(w), qt, ptr<const int64_t>(ids), count, kk);
            }, G())
       .def("read_sum", [](const Kernels& k, uintptr_t x, int64_t n) { return k.t->read_sum(ptr<const float>(x), n); },

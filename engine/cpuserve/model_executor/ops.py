@@ -195,8 +195,8 @@ class QuantWeight:
     """A [N, K] GGUF block-quantized weight (loading.quant_tensor.QuantTensor), its blocks
     regrouped into the quantized GEMM's panels: the same bytes, never widened.
 
-    int8_dot: the int8-dot GEMM's panels instead (kernels/qdot.hpp; codes of at most 6 bits):
-    each weight's code with its group's float32 scale and offset, and the layer's input
+    int8_dot: the int8-dot GEMM's panels instead (kernels/qdot.hpp): each weight's code with
+    its group's float32 scale and offset (8-bit codes: the scale alone), and the layer's input
     quantized to int8 per group on the fly (llama.cpp's scheme)."""
 
     __slots__ = ("data", "n", "k", "qtype", "type_name", "int8_dot")
@@ -268,8 +268,8 @@ def is_packed(w) -> bool:
 
 
 def int8_dot_supported(qtype: int, k=KERNELS) -> bool:
-    """Whether the int8-dot GEMM runs this block type (codes of at most 6 bits; Q8_0 stays on the
-    float path): the kernels' own answer, for rows of 256 weights (a multiple of every block)."""
+    """Whether the int8-dot GEMM runs this block type (every kept GGUF block type, and AWQ / GPTQ
+    groups): the kernels' own answer, for rows of 256 weights (a multiple of every block)."""
     return k.qdpacked_bytes(qtype, 1, 256) >= 0
 
 

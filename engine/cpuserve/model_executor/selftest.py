@@ -100,15 +100,15 @@ def _random_blocks(qtype: int, n: int, k: int):
 
     _, block, nbytes = QTYPES[qtype]
     raw = torch.randint(0, 256, (n * k // block, nbytes), dtype=torch.uint8)
-    for at in {3: (0, 2), 14: (208,)}[qtype]:
+    for at in {3: (0, 2), 8: (0,), 14: (208,)}[qtype]:
         raw[:, at:at + 2] = (torch.rand(len(raw)) * 0.03 + 1e-3).half().view(torch.uint8).view(-1, 2)
     return QuantTensor(raw.view(n, -1), qtype, k)
 
 
 def _int8_dot(k) -> list[tuple[str, str, float, float]]:
-    """--quantized-activations int8: Q4_1 and Q6_K blocks against the activations quantized per group."""
+    """--quantized-activations int8: Q4_1, Q8_0 and Q6_K blocks against the activations quantized per group."""
     rows = []
-    for qtype, name, group in ((3, "Q4_1", 32), (14, "Q6_K", 16)):
+    for qtype, name, group in ((3, "Q4_1", 32), (8, "Q8_0", 32), (14, "Q6_K", 16)):
         qt = _random_blocks(qtype, 67, 512)
         x, b = torch.randn(9, 512), torch.randn(67)
         got = ops.linear(x, ops.QuantWeight(qt, k=k, int8_dot=True), b, k=k)

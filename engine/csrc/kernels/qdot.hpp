@@ -16,10 +16,13 @@
 // Packed weight: panels of kI8NR columns, for panel p and group g one chunk:
 //   codes  4-bit types: [G / 4][4L] bytes, byte 4l + j of row q: the code of column l for
 //          k = 4q + j in the low nibble, of column L + l in the high nibble (one load, two vectors)
-//          5- and 6-bit types: [G / 4][2][4L] bytes, one code a byte, column h * L + l at [q][h][4l + j]
-//   S      float [kI8NR], then O float [kI8NR]
-// Codes of at most 6 bits are needed (u8 x s8 pair sums must fit int16 where maddubs does the
-// products), so Q8_0 stays on the float path (qd_supported).
+//          5-, 6- and 8-bit types: [G / 4][2][4L] bytes, one code a byte, column h * L + l at [q][h][4l + j]
+//   S      float [kI8NR], then O float [kI8NR] (8-bit codes: no O)
+// 8-bit codes (Q8_0: u = q + 128, O = -128 S) are summed as sum (u - 128) * qa, so their epilogue
+// is S * sa * sum q * qa alone: u8 x s8 pairs of such codes overflow int16 where maddubs does the
+// products, so each ISA's VecI8::dotu8 takes its own route to that exact sum (VNNI's vpdpbusd on u,
+// less 128 * sum qa; elsewhere q's magnitude and sign). Q8_0 on this path reads 9 bits a weight
+// where the float path converts every byte: the tied embedding / LM head of the default GGUF.
 #pragma once
 #include <cmath>
 #include <cstring>
@@ -32,12 +35,15 @@ namespace {
 
 constexpr int kQdMR = 4;
 
-constexpr bool qd_supported(int t) { return qformat(t).block != 0 && qformat(t).bits <= 6; }
+constexpr bool qd_supported(int t) { return qformat(t).block != 0 && (qformat(t).bits <= 6 || qformat(t).bits == 8); }
 
 constexpr int64_t qd_code_bytes(const QFormat& f) {
   return f.bits == 4 ? int64_t(f.group) * kI8NR / 2 : int64_t(f.group) * kI8NR;
 }
-constexpr int64_t qd_chunk_bytes(const QFormat& f) { return qd_code_bytes(f) + 2 * kI8NR * int64_t(sizeof(float)); }
+constexpr int qd_factors(const QFormat& f) { return f.bits == 8 ? 1 : 2; }  // S and O, or S alone
+constexpr int64_t qd_chunk_bytes(const QFormat& f) {
+  return qd_code_bytes(f) + qd_factors(f) * kI8NR * int64_t(sizeof(float));
+}
 
 int64_t qdpacked_bytes_impl(int t, int64_t n, int64_t k) {
   const QFormat f = qformat(t);
@@ -93,14 +99,14 @@ void qdpack_impl(uint8_t* dst, const uint8_t* src, int t, int64_t n, int64_t k) 
           float s, o;
           qd_group_so(t, q, g, s, o);
           std::memcpy(chunk + qd_code_bytes(f) + 4 * j, &s, 4);
-          std::memcpy(chunk + qd_code_bytes(f) + 4 * (kI8NR + j), &o, 4);
+          if (qd_factors(f) == 2) std::memcpy(chunk + qd_code_bytes(f) + 4 * (kI8NR + j), &o, 4);
         }
       }
   }
 }
 
-// x [k] -> qa [k], and per group sa and sa * sum(qa). A group of zeros uses sa = 1.
-inline void qd_quant_row(const float* x, int64_t k, int G, int8_t* qa, float* sa, float* sm) {
+// x [k] -> qa [k], and per group sa, sa * sum(qa) and sum(qa). A group of zeros uses sa = 1.
+inline void qd_quant_row(const float* x, int64_t k, int G, int8_t* qa, float* sa, float* sm, int32_t* si) {
   for (int64_t g = 0; g < k / G; ++g) {
     const float* xg = x + g * G;
     float amax = 0.f;
@@ -115,6 +121,7 @@ inline void qd_quant_row(const float* x, int64_t k, int G, int8_t* qa, float* sa
     }
     sa[g] = s;
     sm[g] = s * static_cast<float>(sum);
+    si[g] = sum;
   }
 }
 
@@ -122,14 +129,24 @@ struct QdRows {  // quantized activations: row r's codes at q + r * k, its group
   const int8_t* q;
   const float* sa;
   const float* sm;
+  const int32_t* si;
   int64_t k, ng;
 };
 
+// How a chunk holds its codes: nibbles (4 bits), a byte each (5 and 6 bits), 8-bit (u = q + 128).
+enum QdCodes { kQdNib = 4, kQdByte = 6, kQdU8 = 8 };
+
+// Bytes ahead of its stream that the decode path fetches each chunk (into L2): the hardware
+// prefetchers alone ran too close behind. Batch-1 int8 GEMMs of the Q4_K_M file, AMD EPYC Zen 4,
+// the distances taking turns in one process (medians of 30): none 8.42-8.43 ms, 1 KB 7.90, 2 KB
+// 7.55, 3 KB 7.72, 4.5 KB 7.27-7.49, 6 KB 8.11, 9 KB 8.29; the default Q4_1 file 6.47 -> 6.15.
+constexpr int64_t kQdAhead = 4608;
+
 // MR rows from `r` x one panel over all of k -> out [MR][kI8NR].
-template <int G, bool NIB, int MR>
-inline void qd_micro(const QdRows& A, int64_t r, const uint8_t* panel, float* out) {
+template <int G, int CODES, int MR>
+inline void qd_micro(const QdRows& A, int64_t r, const uint8_t* panel, float* out, int64_t ahead) {
   constexpr int L = VecI8::L, NF = kI8NR / VecF::N;
-  constexpr QFormat f = {G, 0, G, NIB ? 4 : 6, 0, 0};
+  constexpr QFormat f = {G, 0, G, CODES, 0, 0};
   constexpr int64_t code_bytes = qd_code_bytes(f), cb = qd_chunk_bytes(f);
   VecF acc_f[MR][NF];
   for (int i = 0; i < MR; ++i)
@@ -137,20 +154,35 @@ inline void qd_micro(const QdRows& A, int64_t r, const uint8_t* panel, float* ou
   const int8_t* qa = A.q + r * A.k;
   for (int64_t g = 0; g < A.ng; ++g) {
     const uint8_t* chunk = panel + g * cb;
+    if (ahead > 0)  // decode: this chunk's lines `ahead` bytes on (into the next panel, the same thread's)
+      for (int64_t line = 0; line < cb; line += 64) __builtin_prefetch(chunk + ahead + line, 0, 2);
     VecI8 acc[MR][2];
-    for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = VecI8::zero();
+    for (int i = 0; i < MR; ++i) {
+      // 8-bit codes: sum (u - 128) * qa, where dotu8 leaves kU8Bias * sum qa to take off
+      const int32_t start = CODES == kQdU8 ? -VecI8::kU8Bias * A.si[(r + i) * A.ng + g] : 0;
+      acc[i][0] = acc[i][1] = VecI8::set1(start);
+    }
     for (int q = 0; q < G / 4; ++q) {
       typename VecI8::W w0, w1;
-      if constexpr (NIB) {
+      if constexpr (CODES == kQdNib) {
         VecI8::nibbles(VecI8::loadw(chunk + q * 4 * L), w0, w1);
       } else {
         w0 = VecI8::loadw(chunk + q * 8 * L);
         w1 = VecI8::loadw(chunk + q * 8 * L + 4 * L);
       }
-      for (int i = 0; i < MR; ++i) {
-        const typename VecI8::A a = VecI8::bcast_s(rd_i32(qa + i * A.k + g * G + 4 * q));
-        acc[i][0] = VecI8::dotu(acc[i][0], w0, a);
-        acc[i][1] = VecI8::dotu(acc[i][1], w1, a);
+      if constexpr (CODES == kQdU8) {
+        const typename VecI8::W8 v0 = VecI8::codes8(w0), v1 = VecI8::codes8(w1);
+        for (int i = 0; i < MR; ++i) {
+          const typename VecI8::A a = VecI8::bcast_s(rd_i32(qa + i * A.k + g * G + 4 * q));
+          acc[i][0] = VecI8::dotu8(acc[i][0], v0, a);
+          acc[i][1] = VecI8::dotu8(acc[i][1], v1, a);
+        }
+      } else {
+        for (int i = 0; i < MR; ++i) {
+          const typename VecI8::A a = VecI8::bcast_s(rd_i32(qa + i * A.k + g * G + 4 * q));
+          acc[i][0] = VecI8::dotu(acc[i][0], w0, a);
+          acc[i][1] = VecI8::dotu(acc[i][1], w1, a);
+        }
       }
     }
     const float* S = reinterpret_cast<const float*>(chunk + code_bytes);
@@ -160,9 +192,10 @@ inline void qd_micro(const QdRows& A, int64_t r, const uint8_t* panel, float* ou
       acc[i][0].store(ib[i]);
       acc[i][1].store(ib[i] + L);
       const VecF sa = VecF::set1(A.sa[(r + i) * A.ng + g]), sm = VecF::set1(A.sm[(r + i) * A.ng + g]);
-      for (int h = 0; h < NF; ++h)
-        acc_f[i][h] = VecF::fma(VecF::i32(ib[i] + h * VecF::N), VecF::load(S + h * VecF::N) * sa,
-                                VecF::fma(VecF::load(O + h * VecF::N), sm, acc_f[i][h]));
+      for (int h = 0; h < NF; ++h) {
+        const VecF base = CODES == kQdU8 ? acc_f[i][h] : VecF::fma(VecF::load(O + h * VecF::N), sm, acc_f[i][h]);
+        acc_f[i][h] = VecF::fma(VecF::i32(ib[i] + h * VecF::N), VecF::load(S + h * VecF::N) * sa, base);
+      }
     }
   }
   for (int i = 0; i < MR; ++i)
@@ -170,16 +203,16 @@ inline void qd_micro(const QdRows& A, int64_t r, const uint8_t* panel, float* ou
 }
 
 // Rows [r, r + mr) x panel p of C.
-template <int G, bool NIB>
+template <int G, int CODES>
 inline void qd_tile(const QdRows& A, int mr, int64_t r, int64_t p, const uint8_t* w, int64_t ps, const float* bias,
-                    float* c, int64_t n, int64_t ldc) {
+                    float* c, int64_t n, int64_t ldc, int64_t ahead = 0) {
   alignas(64) float out[kQdMR * kI8NR];
   const uint8_t* panel = w + p * ps;
   switch (mr) {
-    case 4: qd_micro<G, NIB, 4>(A, r, panel, out); break;
-    case 3: qd_micro<G, NIB, 3>(A, r, panel, out); break;
-    case 2: qd_micro<G, NIB, 2>(A, r, panel, out); break;
-    default: qd_micro<G, NIB, 1>(A, r, panel, out); break;
+    case 4: qd_micro<G, CODES, 4>(A, r, panel, out, ahead); break;
+    case 3: qd_micro<G, CODES, 3>(A, r, panel, out, ahead); break;
+    case 2: qd_micro<G, CODES, 2>(A, r, panel, out, ahead); break;
+    default: qd_micro<G, CODES, 1>(A, r, panel, out, ahead); break;
   }
   const int64_t c0 = p * kI8NR, cols = std::min<int64_t>(kI8NR, n - c0);
   for (int i = 0; i < mr; ++i) {
@@ -188,28 +221,32 @@ inline void qd_tile(const QdRows& A, int mr, int64_t r, int64_t p, const uint8_t
   }
 }
 
-template <int G, bool NIB>
+template <int G, int CODES>
 void qd_gemm_t(float* c, const float* a, const uint8_t* w, const float* bias, int64_t m, int64_t n, int64_t k,
                int64_t lda, int64_t ldc) {
   const int64_t ng = k / G, panels = i8_panels(n);
-  const int64_t ps = ng * qd_chunk_bytes(QFormat{G, 0, G, NIB ? 4 : 6, 0, 0});
+  const int64_t ps = ng * qd_chunk_bytes(QFormat{G, 0, G, CODES, 0, 0});
   thread_local std::vector<int8_t> qbuf;
   thread_local std::vector<float> fbuf;
+  thread_local std::vector<int32_t> ibuf;
   qbuf.resize(static_cast<size_t>(m * k));
   fbuf.resize(static_cast<size_t>(2 * m * ng));
+  ibuf.resize(static_cast<size_t>(m * ng));
   int8_t* q = qbuf.data();  // the calling thread's buffers (thread_local), named before the parallel region
   float* sa = fbuf.data();
   float* sm = sa + m * ng;
+  int32_t* si = ibuf.data();
 #pragma omp parallel for schedule(static) if (m > 8)
-  for (int64_t r = 0; r < m; ++r) qd_quant_row(a + r * lda, k, G, q + r * k, sa + r * ng, sm + r * ng);
-  const QdRows A{q, sa, sm, k, ng};
+  for (int64_t r = 0; r < m; ++r) qd_quant_row(a + r * lda, k, G, q + r * k, sa + r * ng, sm + r * ng, si + r * ng);
+  const QdRows A{q, sa, sm, si, k, ng};
   if (m <= kQdMR) {  // decode: every row against each panel as it streams by
 #pragma omp parallel for schedule(static) if (n * k > 32768)
-    for (int64_t p = 0; p < panels; ++p) qd_tile<G, NIB>(A, static_cast<int>(m), 0, p, w, ps, bias, c, n, ldc);
+    for (int64_t p = 0; p < panels; ++p)
+      qd_tile<G, CODES>(A, static_cast<int>(m), 0, p, w, ps, bias, c, n, ldc, kQdAhead);
     return;
   }
   i8_schedule<kQdMR>(m, panels, w, ps, [&](int mr, int64_t r, int64_t p) {
-    qd_tile<G, NIB>(A, mr, r, p, w, ps, bias, c, n, ldc);
+    qd_tile<G, CODES>(A, mr, r, p, w, ps, bias, c, n, ldc);
   });
 }
 
@@ -217,9 +254,10 @@ void qdgemm_impl(float* c, const float* a, const uint8_t* w, int t, const float*
                  int64_t k, int64_t lda, int64_t ldc) {
   const QFormat f = qformat(t);
   if (!qd_supported(t)) return;
-  if (f.group == 16) qd_gemm_t<16, false>(c, a, w, bias, m, n, k, lda, ldc);
-  else if (f.bits == 4) qd_gemm_t<32, true>(c, a, w, bias, m, n, k, lda, ldc);
-  else qd_gemm_t<32, false>(c, a, w, bias, m, n, k, lda, ldc);
+  if (f.group == 16) qd_gemm_t<16, kQdByte>(c, a, w, bias, m, n, k, lda, ldc);
+  else if (f.bits == 4) qd_gemm_t<32, kQdNib>(c, a, w, bias, m, n, k, lda, ldc);
+  else if (f.bits == 8) qd_gemm_t<32, kQdU8>(c, a, w, bias, m, n, k, lda, ldc);
+  else qd_gemm_t<32, kQdByte>(c, a, w, bias, m, n, k, lda, ldc);
 }
 
 // out[i, :k] = row ids[i], fma(S, u, O): the float path's values bit for bit (embedding lookups).
@@ -235,12 +273,13 @@ void qdrows_impl(float* out, const uint8_t* w, int t, const int64_t* ids, int64_
     const uint8_t* panel = w + (id / kI8NR) * ng * cb;
     for (int64_t g = 0; g < ng; ++g) {
       const uint8_t* chunk = panel + g * cb;
-      float s, o;
+      float s, o = 0.f;
       std::memcpy(&s, chunk + cbytes + 4 * j, 4);
-      std::memcpy(&o, chunk + cbytes + 4 * (kI8NR + j), 4);
+      if (qd_factors(f) == 2) std::memcpy(&o, chunk + cbytes + 4 * (kI8NR + j), 4);
       for (int e = 0; e < G; ++e) {
         const uint8_t b = chunk[qd_code_at(f, j, e)];
-        const int u = f.bits == 4 ? (b >> (4 * h)) & 15 : b;
+        const int u = f.bits == 4 ? (b >> (4 * h)) & 15 : f.bits == 8 ? b - 128 : b;
+        // 8-bit: S * q, the float path's fma(S, u, -128 S) (S q exact before its one rounding)
         out[i * k + g * G + e] = std::fma(s, static_cast<float>(u), o);
       }
     }

@@ -129,7 +129,22 @@ struct VecI8 {
   static VecI8 dotu(VecI8 acc, W w, A a) {
     return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)))};
   }
+  // 8-bit codes u = q + 128 (kernels/qdot.hpp): lane l += sum_j (u[4l + j] - 128) * a[j], exact:
+  // maddubs would saturate on u, so |q| against a with q's sign (|q| * 127 pairs fit int16).
+  static constexpr int kU8Bias = 0;
+  struct W8 {
+    __m256i mag, q;
+  };
+  static W8 codes8(W u) {
+    const __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));
+    return {_mm256_abs_epi8(q), q};
+  }
+  static VecI8 dotu8(VecI8 acc, const W8& w, A a) {
+    const __m256i p16 = _mm256_maddubs_epi16(w.mag, _mm256_sign_epi8(a, w.q));
+    return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)))};
+  }
   static VecI8 zero() { return {_mm256_setzero_si256()}; }
+  static VecI8 set1(int32_t x) { return {_mm256_set1_epi32(x)}; }
   void store(int32_t* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
 };
 

@@ -175,7 +175,31 @@ struct VecI8 {
     return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(_mm512_maddubs_epi16(w, a), _mm512_set1_epi16(1)))};
 #endif
   }
+  // 8-bit codes u = q + 128 (kernels/qdot.hpp): lane l += sum_j (u[4l + j] - 128 + kU8Bias) * a[j],
+  // exact. VNNI: vpdpbusd on u as it is (no int16 step), the caller starts from -128 * sum a.
+  // maddubs would saturate on u, so there: |q| against a with q's sign (|q| * 127 pairs fit).
+#ifdef __AVX512VNNI__
+  static constexpr int kU8Bias = 128;
+  using W8 = __m512i;
+  static W8 codes8(W u) { return u; }
+  static VecI8 dotu8(VecI8 acc, W8 u, A a) { return {_mm512_dpbusd_epi32(acc.v, u, a)}; }
+#else
+  static constexpr int kU8Bias = 0;
+  struct W8 {
+    __m512i mag;
+    __mmask64 neg;
+  };
+  static W8 codes8(W u) {
+    const __m512i q = _mm512_xor_si512(u, _mm512_set1_epi8(static_cast<char>(0x80)));
+    return {_mm512_abs_epi8(q), _mm512_movepi8_mask(q)};
+  }
+  static VecI8 dotu8(VecI8 acc, const W8& w, A a) {
+    const __m512i sa = _mm512_mask_sub_epi8(a, w.neg, _mm512_setzero_si512(), a);
+    return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(_mm512_maddubs_epi16(w.mag, sa), _mm512_set1_epi16(1)))};
+  }
+#endif
   static VecI8 zero() { return {_mm512_setzero_si512()}; }
+  static VecI8 set1(int32_t x) { return {_mm512_set1_epi32(x)}; }
   void store(int32_t* p) const { _mm512_storeu_si512(p, v); }
 };
 

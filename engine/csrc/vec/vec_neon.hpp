@@ -123,7 +123,14 @@ struct VecI8 {
     return {vpadalq_s16(acc.v, vpaddq_s16(lo, hi))};
 #endif
   }
+  // 8-bit codes u = q + 128 (kernels/qdot.hpp): lane l += sum_j (u[4l + j] - 128) * a[j], exact:
+  // q = u ^ 0x80 as int8 through dotu (pairs of int16 products <= 2 * 128 * 127).
+  static constexpr int kU8Bias = 0;
+  using W8 = W;
+  static W8 codes8(W u) { return veorq_u8(u, vdupq_n_u8(0x80)); }
+  static VecI8 dotu8(VecI8 acc, W8 q, A a) { return dotu(acc, q, a); }
   static VecI8 zero() { return {vdupq_n_s32(0)}; }
+  static VecI8 set1(int32_t x) { return {vdupq_n_s32(x)}; }
   void store(int32_t* p) const { vst1q_s32(p, v); }
 };
 

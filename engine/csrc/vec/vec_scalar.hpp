@@ -83,7 +83,17 @@ struct VecI8 {
       for (int j = 0; j < 4; ++j) acc.v[l] += int32_t(a.b[j]) * int32_t(w.b[4 * l + j]);
     return acc;
   }
+  // 8-bit codes u = q + 128 (kernels/qdot.hpp): lane l += sum_j (u[4l + j] - 128) * a[j].
+  static constexpr int kU8Bias = 0;
+  using W8 = W;
+  static W8 codes8(const W& u) { return u; }
+  static VecI8 dotu8(VecI8 acc, const W8& w, A a) {
+    for (int l = 0; l < L; ++l)
+      for (int j = 0; j < 4; ++j) acc.v[l] += int32_t(a.b[j]) * (int32_t(w.b[4 * l + j]) - 128);
+    return acc;
+  }
   static VecI8 zero() { VecI8 r; for (int l = 0; l < L; ++l) r.v[l] = 0; return r; }
+  static VecI8 set1(int32_t x) { VecI8 r; for (int l = 0; l < L; ++l) r.v[l] = x; return r; }
   void store(int32_t* p) const { std::memcpy(p, v, sizeof(v)); }
 };
 

@@ -100,7 +100,14 @@ struct VecI8 {
     const __vector signed short one = vec_splats(static_cast<short>(1));
     return {acc.v + vec_mule(s, one) + vec_mulo(s, one)};
   }
+  // 8-bit codes u = q + 128 (kernels/qdot.hpp): lane l += sum_j (u[4l + j] - 128) * a[j], exact:
+  // q = u ^ 0x80 as int8 through dotu (even plus odd int16 products <= 2 * 128 * 127).
+  static constexpr int kU8Bias = 0;
+  using W8 = W;
+  static W8 codes8(W u) { return u ^ static_cast<unsigned char>(0x80); }
+  static VecI8 dotu8(VecI8 acc, W8 q, A a) { return dotu(acc, q, a); }
   static VecI8 zero() { return {vec_splats(0)}; }
+  static VecI8 set1(int32_t x) { return {vec_splats(x)}; }
   void store(int32_t* p) const { vec_xst(v, 0, p); }
 };
 

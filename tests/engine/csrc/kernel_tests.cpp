@@ -454,7 +454,7 @@ void qdot_reference(const std::vector<float>& a, const std::vector<float>& w, in
 TEST(QuantizedInt8Dot, GemmEqualsReferenceEveryTableAndBatchInvariant) {
   std::vector<const KernelTable*> tables = vector_tables();
   tables.push_back(table_scalar());
-  for (int t : {2, 3, 6, 7, 12, 13, 14, 100}) {
+  for (int t : {2, 3, 6, 7, 8, 12, 13, 14, 100}) {
     const QFormat f = qformat(t);
     const int64_t n = 70, k = f.block == 256 ? 512 : 96;
     const auto raw = random_gguf(t, n, k, 300 + t);
@@ -499,7 +499,7 @@ TEST(QuantizedInt8Dot, GemmEqualsReferenceEveryTableAndBatchInvariant) {
           }
       }
     }
-    ASSERT_EQ(tables.back()->qdpacked_bytes(8, n, 96), -1);  // Q8_0: 8-bit codes, float path only
+    ASSERT_EQ(tables.back()->qdpacked_bytes(t, n, k + 16), -1);  // K not whole blocks
   }
 }
 

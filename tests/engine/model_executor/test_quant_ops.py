@@ -163,9 +163,10 @@ def test_int8_dot_is_chosen_within_quantized_activations_only():
     assert not ops.pack(q41, torch.float32).int8_dot
     with ops.quantized_activations("int8"):
         w41, w80 = ops.pack(q41, torch.float32), ops.pack(q80, torch.float32)
-    assert w41.int8_dot and not w80.int8_dot  # 8-bit codes stay on the float path
-    assert ops.storage_name(w41) == "Q4_1 x int8"
+    assert w41.int8_dot and w80.int8_dot
+    assert ops.storage_name(w41) == "Q4_1 x int8" and ops.storage_name(w80) == "Q8_0 x int8"
     assert w41.nbytes <= q41.nbytes * 1.2  # 4-bit codes stay nibbles: + float32 scale and offset a group
+    assert w80.nbytes <= q80.nbytes * 36 / 34  # a byte a code and a float32 scale a group, no offset
     with pytest.raises(ValueError, match="none or int8"):
         with ops.quantized_activations("fp8"):
             pass

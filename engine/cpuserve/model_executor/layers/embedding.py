@@ -14,8 +14,8 @@ class Embedding:
     def __init__(self, weight, dtype: torch.dtype, scale: float | None = None):
         if isinstance(weight, torch.Tensor):
             self.weight = weight.to(dtype).contiguous()
-        else:
-            self.weight = ops.QuantWeight(weight)
+        else:  # in its blocks, on the int8-dot GEMM's panels within ops.quantized_activations("int8")
+            self.weight = ops.pack(weight, dtype)
         # Gemma multiplies by sqrt(hidden) in the model dtype; keep that rounding.
         self.scale = scale
 

@@ -16,7 +16,10 @@
 // Packed weight: panels of kI8NR columns, for panel p and group g one chunk:
 //   codes  4-bit types: [G / 4][4L] bytes, byte 4l + j of row q: the code of column l for
 //          k = 4q + j in the low nibble, of column L + l in the high nibble (one load, two vectors)
-//          5-, 6- and 8-bit types: [G / 4][2][4L] bytes, one code a byte, column h * L + l at [q][h][4l + j]
+//          5-bit types: [G / 4][5L] bytes, the 4-bit layout's 4L bytes of low nibbles, then L bytes of
+//          their fifth bits: bit b of the first L / 2 bytes for byte b's low nibble, of the next
+//          L / 2 for its high nibble (7 bits a weight with S and O, against 10 a byte a code)
+//          6- and 8-bit types: [G / 4][2][4L] bytes, one code a byte, column h * L + l at [q][h][4l + j]
 //   S      float [kI8NR], then O float [kI8NR] (8-bit codes: no O)
 // 8-bit codes (Q8_0: u = q + 128, O = -128 S) are summed as sum (u - 128) * qa, so their epilogue
 // is S * sa * sum q * qa alone: u8 x s8 pairs of such codes overflow int16 where maddubs does the
@@ -38,8 +41,10 @@ constexpr int kQdMR = 4;
 constexpr bool qd_supported(int t) { return qformat(t).block != 0 && (qformat(t).bits <= 6 || qformat(t).bits == 8); }
 
 constexpr int64_t qd_code_bytes(const QFormat& f) {
-  return f.bits == 4 ? int64_t(f.group) * kI8NR / 2 : int64_t(f.group) * kI8NR;
+  return f.bits == 4 ? int64_t(f.group) * kI8NR / 2
+                     : f.bits == 5 ? int64_t(f.group) * kI8NR * 5 / 8 : int64_t(f.group) * kI8NR;
 }
+constexpr bool qd_nibbles(const QFormat& f) { return f.bits == 4 || f.bits == 5; }
 constexpr int qd_factors(const QFormat& f) { return f.bits == 8 ? 1 : 2; }  // S and O, or S alone
 constexpr int64_t qd_chunk_bytes(const QFormat& f) {
   return qd_code_bytes(f) + qd_factors(f) * kI8NR * int64_t(sizeof(float));
@@ -71,10 +76,19 @@ inline void qd_group_so(int t, const QBlock& q, int g, float& s, float& o) {
   }
 }
 
-// Byte offset of the code of column j (of the panel), element e of a group.
+// Byte offset of the code of column j (of the panel), element e of a group (for 4 and 5 bits: of
+// its low nibble, the high one where j / L is 1).
 inline int64_t qd_code_at(const QFormat& f, int j, int e) {
   const int L = VecI8::L, h = j / L, l = j % L;
-  return f.bits == 4 ? (e / 4) * 4 * L + l * 4 + e % 4 : (e / 4) * 8 * L + h * 4 * L + l * 4 + e % 4;
+  if (qd_nibbles(f)) return (e / 4) * (f.bits == 5 ? 5 : 4) * L + l * 4 + e % 4;
+  return (e / 4) * 8 * L + h * 4 * L + l * 4 + e % 4;
+}
+
+// 5 bits: the byte and the bit of the fifth bit of that code.
+inline int64_t qd_high_bit_at(int j, int e, int& bit) {
+  const int L = VecI8::L, b = (j / L) * 4 * L + (j % L) * 4 + e % 4;
+  bit = b % 8;
+  return (e / 4) * 5 * L + 4 * L + b / 8;
 }
 
 // dst: qdpacked_bytes bytes; src: n rows of k / B GGUF blocks (fields in host byte order).
@@ -94,7 +108,11 @@ void qdpack_impl(uint8_t* dst, const uint8_t* src, int t, int64_t n, int64_t k) 
           uint8_t* chunk = panel + (b * per_block + g) * cb;
           for (int e = 0; e < G; ++e) {
             const uint8_t u = q.u[g * G + e];
-            chunk[qd_code_at(f, j, e)] |= f.bits == 4 ? static_cast<uint8_t>(u << (4 * (j / VecI8::L))) : u;
+            chunk[qd_code_at(f, j, e)] |= qd_nibbles(f) ? static_cast<uint8_t>((u & 15) << (4 * (j / VecI8::L))) : u;
+            if (f.bits == 5 && (u & 16)) {
+              int bit;
+              chunk[qd_high_bit_at(j, e, bit)] |= static_cast<uint8_t>(1 << bit);
+            }
           }
           float s, o;
           qd_group_so(t, q, g, s, o);
@@ -133,8 +151,9 @@ struct QdRows {  // quantized activations: row r's codes at q + r * k, its group
   int64_t k, ng;
 };
 
-// How a chunk holds its codes: nibbles (4 bits), a byte each (5 and 6 bits), 8-bit (u = q + 128).
-enum QdCodes { kQdNib = 4, kQdByte = 6, kQdU8 = 8 };
+// How a chunk holds its codes: nibbles (4 bits), nibbles and fifth bits (5), a byte each (6 bits),
+// 8-bit (u = q + 128).
+enum QdCodes { kQdNib = 4, kQdNib5 = 5, kQdByte = 6, kQdU8 = 8 };
 
 // Bytes ahead of its stream that the decode path fetches each chunk (into L2): the hardware
 // prefetchers alone ran too close behind. Batch-1 int8 GEMMs of the Q4_K_M file, AMD EPYC Zen 4,
@@ -164,8 +183,10 @@ inline void qd_micro(const QdRows& A, int64_t r, const uint8_t* panel, float* ou
     }
     for (int q = 0; q < G / 4; ++q) {
       typename VecI8::W w0, w1;
-      if constexpr (CODES == kQdNib) {
-        VecI8::nibbles(VecI8::loadw(chunk + q * 4 * L), w0, w1);
+      if constexpr (CODES == kQdNib || CODES == kQdNib5) {
+        const uint8_t* codes = chunk + q * (CODES == kQdNib5 ? 5 : 4) * L;
+        VecI8::nibbles(VecI8::loadw(codes), w0, w1);
+        if constexpr (CODES == kQdNib5) VecI8::high_bits(w0, w1, codes + 4 * L);
       } else {
         w0 = VecI8::loadw(chunk + q * 8 * L);
         w1 = VecI8::loadw(chunk + q * 8 * L + 4 * L);
@@ -256,6 +277,7 @@ void qdgemm_impl(float* c, const float* a, const uint8_t* w, int t, const float*
   if (!qd_supported(t)) return;
   if (f.group == 16) qd_gemm_t<16, kQdByte>(c, a, w, bias, m, n, k, lda, ldc);
   else if (f.bits == 4) qd_gemm_t<32, kQdNib>(c, a, w, bias, m, n, k, lda, ldc);
+  else if (f.bits == 5) qd_gemm_t<32, kQdNib5>(c, a, w, bias, m, n, k, lda, ldc);
   else if (f.bits == 8) qd_gemm_t<32, kQdU8>(c, a, w, bias, m, n, k, lda, ldc);
   else qd_gemm_t<32, kQdByte>(c, a, w, bias, m, n, k, lda, ldc);
 }
@@ -278,7 +300,11 @@ void qdrows_impl(float* out, const uint8_t* w, int t, const int64_t* ids, int64_
       if (qd_factors(f) == 2) std::memcpy(&o, chunk + cbytes + 4 * (kI8NR + j), 4);
       for (int e = 0; e < G; ++e) {
         const uint8_t b = chunk[qd_code_at(f, j, e)];
-        const int u = f.bits == 4 ? (b >> (4 * h)) & 15 : f.bits == 8 ? b - 128 : b;
+        int u = qd_nibbles(f) ? (b >> (4 * h)) & 15 : f.bits == 8 ? b - 128 : b;
+        if (f.bits == 5) {
+          int bit;
+          u |= ((chunk[qd_high_bit_at(j, e, bit)] >> bit) & 1) << 4;
+        }
         // 8-bit: S * q, the float path's fma(S, u, -128 S) (S q exact before its one rounding)
         out[i * k + g * G + e] = std::fma(s, static_cast<float>(u), o);
       }

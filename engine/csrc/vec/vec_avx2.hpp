@@ -125,6 +125,21 @@ struct VecI8 {
     lo = _mm256_and_si256(x, _mm256_set1_epi8(15));
     hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), _mm256_set1_epi8(15));
   }
+  // 5-bit codes: 16 added to the bytes of lo (hi) whose bit is set in bits[0, 4) ([4, 8)), LE:
+  // each byte of the mask spread over 8 bytes, tested against its own bit.
+  static __m256i bits16(const uint8_t* bits) {
+    int32_t m;
+    std::memcpy(&m, bits, 4);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(m), _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2,
+                                               2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i sel = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, sel), sel), _mm256_set1_epi8(16));
+  }
+  static void high_bits(W& lo, W& hi, const uint8_t* bits) {
+    lo = _mm256_or_si256(lo, bits16(bits));
+    hi = _mm256_or_si256(hi, bits16(bits + 4));
+  }
   static A bcast_s(int32_t a4) { return _mm256_set1_epi32(a4); }
   static VecI8 dotu(VecI8 acc, W w, A a) {
     return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)))};

@@ -167,6 +167,15 @@ struct VecI8 {
     lo = _mm512_and_si512(x, _mm512_set1_epi8(15));
     hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), _mm512_set1_epi8(15));
   }
+  // 5-bit codes: 16 added to the bytes of lo (hi) whose bit is set in bits[0, 8) ([8, 16)), LE.
+  static void high_bits(W& lo, W& hi, const uint8_t* bits) {
+    uint64_t m0, m1;
+    std::memcpy(&m0, bits, 8);
+    std::memcpy(&m1, bits + 8, 8);
+    const __m512i s = _mm512_set1_epi8(16);
+    lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(m0), lo, s);
+    hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(m1), hi, s);
+  }
   static A bcast_s(int32_t a4) { return _mm512_set1_epi32(a4); }
   static VecI8 dotu(VecI8 acc, W w, A a) {
 #ifdef __AVX512VNNI__

@@ -111,6 +111,16 @@ struct VecI8 {
   using W = uint8x16_t;
   static W loadw(const uint8_t* p) { return vld1q_u8(p); }
   static void nibbles(W x, W& lo, W& hi) { lo = vandq_u8(x, vdupq_n_u8(15)); hi = vshrq_n_u8(x, 4); }
+  // 5-bit codes: 16 added to the bytes of lo (hi) whose bit is set in bits[0, 2) ([2, 4)).
+  static uint8x16_t bits16(const uint8_t* bits) {
+    const uint8x16_t spread = vcombine_u8(vdup_n_u8(bits[0]), vdup_n_u8(bits[1]));
+    const uint8x16_t sel = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    return vandq_u8(vtstq_u8(spread, sel), vdupq_n_u8(16));
+  }
+  static void high_bits(W& lo, W& hi, const uint8_t* bits) {
+    lo = vorrq_u8(lo, bits16(bits));
+    hi = vorrq_u8(hi, bits16(bits + 2));
+  }
   static A bcast_s(int32_t a4) { return bcast(a4); }
   static VecI8 dotu(VecI8 acc, W w, A a) {
     const int8x16_t wv = vreinterpretq_s8_u8(w);

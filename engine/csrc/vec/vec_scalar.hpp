@@ -77,6 +77,13 @@ struct VecI8 {
   static void nibbles(W x, W& lo, W& hi) {
     for (int i = 0; i < 4 * L; ++i) { lo.b[i] = x.b[i] & 15; hi.b[i] = x.b[i] >> 4; }
   }
+  // 5-bit codes: 16 added to the bytes of lo (hi) whose bit is set in bits[0, L / 2) ([L / 2, L)).
+  static void high_bits(W& lo, W& hi, const uint8_t* bits) {
+    for (int i = 0; i < 4 * L; ++i) {
+      if ((bits[i / 8] >> (i % 8)) & 1) lo.b[i] |= 16;
+      if ((bits[L / 2 + i / 8] >> (i % 8)) & 1) hi.b[i] |= 16;
+    }
+  }
   static A bcast_s(int32_t a4) { return bcast(a4); }
   static VecI8 dotu(VecI8 acc, const W& w, A a) {
     for (int l = 0; l < L; ++l)

@@ -93,6 +93,17 @@ struct VecI8 {
     lo = x & static_cast<unsigned char>(15);  // GNU vector operators: element-wise
     hi = x >> static_cast<unsigned char>(4);
   }
+  // 5-bit codes: 16 added to the bytes of lo (hi) whose bit is set in bits[0, 2) ([2, 4)).
+  static W bits16(const uint8_t* bits) {
+    const unsigned char b0 = bits[0], b1 = bits[1];
+    const W spread = {b0, b0, b0, b0, b0, b0, b0, b0, b1, b1, b1, b1, b1, b1, b1, b1};
+    const W sel = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    return (W)vec_cmpeq(spread & sel, sel) & static_cast<unsigned char>(16);
+  }
+  static void high_bits(W& lo, W& hi, const uint8_t* bits) {
+    lo = lo | bits16(bits);
+    hi = hi | bits16(bits + 2);
+  }
   static A bcast_s(int32_t a4) { return bcast(a4); }
   static VecI8 dotu(VecI8 acc, W w, A a) {
     const __vector signed char wv = reinterpret_cast<__vector signed char>(w);

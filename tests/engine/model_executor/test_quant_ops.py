@@ -167,6 +167,10 @@ def test_int8_dot_is_chosen_within_quantized_activations_only():
     assert ops.storage_name(w41) == "Q4_1 x int8" and ops.storage_name(w80) == "Q8_0 x int8"
     assert w41.nbytes <= q41.nbytes * 1.2  # 4-bit codes stay nibbles: + float32 scale and offset a group
     assert w80.nbytes <= q80.nbytes * 36 / 34  # a byte a code and a float32 scale a group, no offset
+    with ops.quantized_activations("int8"):
+        q50 = random_blocks("Q5_0", 64, 64)
+        w50 = ops.pack(q50, torch.float32)
+    assert w50.nbytes <= q50.nbytes * 7 / 5.5  # nibbles and a bit plane: 7 bits a weight with S and O
     with pytest.raises(ValueError, match="none or int8"):
         with ops.quantized_activations("fp8"):
             pass

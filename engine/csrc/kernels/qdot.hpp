@@ -20,7 +20,8 @@
 //          their fifth bits: bit b of the first L / 2 bytes for byte b's low nibble, of the next
 //          L / 2 for its high nibble (7 bits a weight with S and O, against 10 a byte a code)
 //          6- and 8-bit types: [G / 4][2][4L] bytes, one code a byte, column h * L + l at [q][h][4l + j]
-//   S      float [kI8NR], then O float [kI8NR] (8-bit codes: no O)
+//   S      [kI8NR], then O [kI8NR]: float32, or the blocks' float16 where that is the same number
+//          (qd_fac: O not stored where it is -offset_code * S, or for 8-bit codes)
 // 8-bit codes (Q8_0: u = q + 128, O = -128 S) are summed as sum (u - 128) * qa, so their epilogue
 // is S * sa * sum q * qa alone: u8 x s8 pairs of such codes overflow int16 where maddubs does the
 // products, so each ISA's VecI8::dotu8 takes its own route to that exact sum (VNNI's vpdpbusd on u,
@@ -45,9 +46,33 @@ constexpr int64_t qd_code_bytes(const QFormat& f) {
                      : f.bits == 5 ? int64_t(f.group) * kI8NR * 5 / 8 : int64_t(f.group) * kI8NR;
 }
 constexpr bool qd_nibbles(const QFormat& f) { return f.bits == 4 || f.bits == 5; }
-constexpr int qd_factors(const QFormat& f) { return f.bits == 8 ? 1 : 2; }  // S and O, or S alone
-constexpr int64_t qd_chunk_bytes(const QFormat& f) {
-  return qd_code_bytes(f) + qd_factors(f) * kI8NR * int64_t(sizeof(float));
+
+// How a chunk keeps its groups' S and O: float32 where they are products (K-quants: d times a
+// sub-block scale; Q4_ZP: -z d), else the block's own float16 bits, which are the same numbers:
+// S and O both where O is the block's min (Q4_1, Q5_1), S alone where O = -offset_code * S (Q4_0,
+// Q5_0; the same float32 product at run time) or where 8-bit codes need no O (Q8_0).
+enum QdFactors { kQdF32 = 0, kQdF16SO = 1, kQdF16S = 2 };
+constexpr int qd_fac(const QFormat& f) {
+  if (f.block != f.group || f.offset_code < 0) return kQdF32;
+  return f.offset_code == 0 ? kQdF16SO : kQdF16S;
+}
+constexpr int64_t qd_factor_bytes(const QFormat& f) {
+  return kI8NR * (qd_fac(f) == kQdF32 ? 8 : qd_fac(f) == kQdF16SO ? 4 : 2);
+}
+constexpr int64_t qd_chunk_bytes(const QFormat& f) { return qd_code_bytes(f) + qd_factor_bytes(f); }
+
+// Factor i (0: S, 1: O) of column j, as the float path's float32 value.
+inline float qd_factor(const QFormat& f, const uint8_t* chunk, int i, int j) {
+  const uint8_t* at = chunk + qd_code_bytes(f);
+  if (qd_fac(f) == kQdF32) {
+    float v;
+    std::memcpy(&v, at + 4 * (i * kI8NR + j), 4);
+    return v;
+  }
+  if (i == 1 && qd_fac(f) == kQdF16S) return qd_factor(f, chunk, 0, j) * -static_cast<float>(f.offset_code);
+  uint16_t b;
+  std::memcpy(&b, at + 2 * (i * kI8NR + j), 2);
+  return to_float(f16{b});
 }
 
 int64_t qdpacked_bytes_impl(int t, int64_t n, int64_t k) {
@@ -114,10 +139,16 @@ void qdpack_impl(uint8_t* dst, const uint8_t* src, int t, int64_t n, int64_t k) 
               chunk[qd_high_bit_at(j, e, bit)] |= static_cast<uint8_t>(1 << bit);
             }
           }
-          float s, o;
-          qd_group_so(t, q, g, s, o);
-          std::memcpy(chunk + qd_code_bytes(f) + 4 * j, &s, 4);
-          if (qd_factors(f) == 2) std::memcpy(chunk + qd_code_bytes(f) + 4 * (kI8NR + j), &o, 4);
+          uint8_t* at = chunk + qd_code_bytes(f);
+          if (qd_fac(f) == kQdF32) {
+            float s, o;
+            qd_group_so(t, q, g, s, o);
+            std::memcpy(at + 4 * j, &s, 4);
+            std::memcpy(at + 4 * (kI8NR + j), &o, 4);
+          } else {  // the block's float16 d (and m): qd_group_so's S (and O) exactly
+            std::memcpy(at + 2 * j, &q.d, 2);
+            if (qd_fac(f) == kQdF16SO) std::memcpy(at + 2 * (kI8NR + j), &q.m, 2);
+          }
         }
       }
   }
@@ -161,11 +192,26 @@ enum QdCodes { kQdNib = 4, kQdNib5 = 5, kQdByte = 6, kQdU8 = 8 };
 // 7.55, 3 KB 7.72, 4.5 KB 7.27-7.49, 6 KB 8.11, 9 KB 8.29; the default Q4_1 file 6.47 -> 6.15.
 constexpr int64_t kQdAhead = 4608;
 
+// The group's S and O (float32) of columns [h N, (h + 1) N) of a chunk's factors.
+template <int T>
+inline void qd_so(const uint8_t* at, int h, VecF& s, VecF& o) {
+  constexpr QFormat f = qformat(T);
+  if constexpr (qd_fac(f) == kQdF32) {
+    s = VecF::load(reinterpret_cast<const float*>(at) + h * VecF::N);
+    o = VecF::load(reinterpret_cast<const float*>(at) + kI8NR + h * VecF::N);
+  } else {
+    s = VecF::load(reinterpret_cast<const f16*>(at) + h * VecF::N);
+    if constexpr (qd_fac(f) == kQdF16SO) o = VecF::load(reinterpret_cast<const f16*>(at) + kI8NR + h * VecF::N);
+    else o = s * VecF::set1(-static_cast<float>(f.offset_code));  // 8-bit codes: unused
+  }
+}
+
 // MR rows from `r` x one panel over all of k -> out [MR][kI8NR].
-template <int G, int CODES, int MR>
+template <int T, int MR>
 inline void qd_micro(const QdRows& A, int64_t r, const uint8_t* panel, float* out, int64_t ahead) {
   constexpr int L = VecI8::L, NF = kI8NR / VecF::N;
-  constexpr QFormat f = {G, 0, G, CODES, 0, 0};
+  constexpr QFormat f = qformat(T);
+  constexpr int G = f.group, CODES = f.bits == 4 ? kQdNib : f.bits == 5 ? kQdNib5 : f.bits == 6 ? kQdByte : kQdU8;
   constexpr int64_t code_bytes = qd_code_bytes(f), cb = qd_chunk_bytes(f);
   VecF acc_f[MR][NF];
   for (int i = 0; i < MR; ++i)
@@ -206,16 +252,16 @@ inline void qd_micro(const QdRows& A, int64_t r, const uint8_t* panel, float* ou
         }
       }
     }
-    const float* S = reinterpret_cast<const float*>(chunk + code_bytes);
-    const float* O = S + kI8NR;
+    VecF S[NF], O[NF];
+    for (int h = 0; h < NF; ++h) qd_so<T>(chunk + code_bytes, h, S[h], O[h]);
     alignas(64) int32_t ib[MR][kI8NR];
     for (int i = 0; i < MR; ++i) {
       acc[i][0].store(ib[i]);
       acc[i][1].store(ib[i] + L);
       const VecF sa = VecF::set1(A.sa[(r + i) * A.ng + g]), sm = VecF::set1(A.sm[(r + i) * A.ng + g]);
       for (int h = 0; h < NF; ++h) {
-        const VecF base = CODES == kQdU8 ? acc_f[i][h] : VecF::fma(VecF::load(O + h * VecF::N), sm, acc_f[i][h]);
-        acc_f[i][h] = VecF::fma(VecF::i32(ib[i] + h * VecF::N), VecF::load(S + h * VecF::N) * sa, base);
+        const VecF base = CODES == kQdU8 ? acc_f[i][h] : VecF::fma(O[h], sm, acc_f[i][h]);
+        acc_f[i][h] = VecF::fma(VecF::i32(ib[i] + h * VecF::N), S[h] * sa, base);
       }
     }
   }
@@ -224,16 +270,16 @@ inline void qd_micro(const QdRows& A, int64_t r, const uint8_t* panel, float* ou
 }
 
 // Rows [r, r + mr) x panel p of C.
-template <int G, int CODES>
+template <int T>
 inline void qd_tile(const QdRows& A, int mr, int64_t r, int64_t p, const uint8_t* w, int64_t ps, const float* bias,
                     float* c, int64_t n, int64_t ldc, int64_t ahead = 0) {
   alignas(64) float out[kQdMR * kI8NR];
   const uint8_t* panel = w + p * ps;
   switch (mr) {
-    case 4: qd_micro<G, CODES, 4>(A, r, panel, out, ahead); break;
-    case 3: qd_micro<G, CODES, 3>(A, r, panel, out, ahead); break;
-    case 2: qd_micro<G, CODES, 2>(A, r, panel, out, ahead); break;
-    default: qd_micro<G, CODES, 1>(A, r, panel, out, ahead); break;
+    case 4: qd_micro<T, 4>(A, r, panel, out, ahead); break;
+    case 3: qd_micro<T, 3>(A, r, panel, out, ahead); break;
+    case 2: qd_micro<T, 2>(A, r, panel, out, ahead); break;
+    default: qd_micro<T, 1>(A, r, panel, out, ahead); break;
   }
   const int64_t c0 = p * kI8NR, cols = std::min<int64_t>(kI8NR, n - c0);
   for (int i = 0; i < mr; ++i) {
@@ -242,11 +288,12 @@ inline void qd_tile(const QdRows& A, int mr, int64_t r, int64_t p, const uint8_t
   }
 }
 
-template <int G, int CODES>
+template <int T>
 void qd_gemm_t(float* c, const float* a, const uint8_t* w, const float* bias, int64_t m, int64_t n, int64_t k,
                int64_t lda, int64_t ldc) {
+  constexpr int G = qformat(T).group;
   const int64_t ng = k / G, panels = i8_panels(n);
-  const int64_t ps = ng * qd_chunk_bytes(QFormat{G, 0, G, CODES, 0, 0});
+  const int64_t ps = ng * qd_chunk_bytes(qformat(T));
   thread_local std::vector<int8_t> qbuf;
   thread_local std::vector<float> fbuf;
   thread_local std::vector<int32_t> ibuf;
@@ -263,23 +310,28 @@ void qd_gemm_t(float* c, const float* a, const uint8_t* w, const float* bias, in
   if (m <= kQdMR) {  // decode: every row against each panel as it streams by
 #pragma omp parallel for schedule(static) if (n * k > 32768)
     for (int64_t p = 0; p < panels; ++p)
-      qd_tile<G, CODES>(A, static_cast<int>(m), 0, p, w, ps, bias, c, n, ldc, kQdAhead);
+      qd_tile<T>(A, static_cast<int>(m), 0, p, w, ps, bias, c, n, ldc, kQdAhead);
     return;
   }
   i8_schedule<kQdMR>(m, panels, w, ps, [&](int mr, int64_t r, int64_t p) {
-    qd_tile<G, CODES>(A, mr, r, p, w, ps, bias, c, n, ldc);
+    qd_tile<T>(A, mr, r, p, w, ps, bias, c, n, ldc);
   });
 }
 
 void qdgemm_impl(float* c, const float* a, const uint8_t* w, int t, const float* bias, int64_t m, int64_t n,
                  int64_t k, int64_t lda, int64_t ldc) {
-  const QFormat f = qformat(t);
   if (!qd_supported(t)) return;
-  if (f.group == 16) qd_gemm_t<16, kQdByte>(c, a, w, bias, m, n, k, lda, ldc);
-  else if (f.bits == 4) qd_gemm_t<32, kQdNib>(c, a, w, bias, m, n, k, lda, ldc);
-  else if (f.bits == 5) qd_gemm_t<32, kQdNib5>(c, a, w, bias, m, n, k, lda, ldc);
-  else if (f.bits == 8) qd_gemm_t<32, kQdU8>(c, a, w, bias, m, n, k, lda, ldc);
-  else qd_gemm_t<32, kQdByte>(c, a, w, bias, m, n, k, lda, ldc);
+  switch (static_cast<QType>(t)) {
+    case QType::Q4_0: return qd_gemm_t<int(QType::Q4_0)>(c, a, w, bias, m, n, k, lda, ldc);
+    case QType::Q4_1: return qd_gemm_t<int(QType::Q4_1)>(c, a, w, bias, m, n, k, lda, ldc);
+    case QType::Q5_0: return qd_gemm_t<int(QType::Q5_0)>(c, a, w, bias, m, n, k, lda, ldc);
+    case QType::Q5_1: return qd_gemm_t<int(QType::Q5_1)>(c, a, w, bias, m, n, k, lda, ldc);
+    case QType::Q8_0: return qd_gemm_t<int(QType::Q8_0)>(c, a, w, bias, m, n, k, lda, ldc);
+    case QType::Q4_K: return qd_gemm_t<int(QType::Q4_K)>(c, a, w, bias, m, n, k, lda, ldc);
+    case QType::Q5_K: return qd_gemm_t<int(QType::Q5_K)>(c, a, w, bias, m, n, k, lda, ldc);
+    case QType::Q6_K: return qd_gemm_t<int(QType::Q6_K)>(c, a, w, bias, m, n, k, lda, ldc);
+    case QType::Q4_ZP: return qd_gemm_t<int(QType::Q4_ZP)>(c, a, w, bias, m, n, k, lda, ldc);
+  }
 }
 
 // out[i, :k] = row ids[i], fma(S, u, O): the float path's values bit for bit (embedding lookups).
@@ -287,7 +339,7 @@ void qdrows_impl(float* out, const uint8_t* w, int t, const int64_t* ids, int64_
   const QFormat f = qformat(t);
   if (!qd_supported(t)) return;
   const int G = f.group;
-  const int64_t ng = k / G, cb = qd_chunk_bytes(f), cbytes = qd_code_bytes(f);
+  const int64_t ng = k / G, cb = qd_chunk_bytes(f);
 #pragma omp parallel for schedule(static) if (count * k > 65536)
   for (int64_t i = 0; i < count; ++i) {
     const int64_t id = ids[i];
@@ -295,9 +347,7 @@ void qdrows_impl(float* out, const uint8_t* w, int t, const int64_t* ids, int64_
     const uint8_t* panel = w + (id / kI8NR) * ng * cb;
     for (int64_t g = 0; g < ng; ++g) {
       const uint8_t* chunk = panel + g * cb;
-      float s, o = 0.f;
-      std::memcpy(&s, chunk + cbytes + 4 * j, 4);
-      if (qd_factors(f) == 2) std::memcpy(&o, chunk + cbytes + 4 * (kI8NR + j), 4);
+      const float s = qd_factor(f, chunk, 0, j), o = f.bits == 8 ? 0.f : qd_factor(f, chunk, 1, j);
       for (int e = 0; e < G; ++e) {
         const uint8_t b = chunk[qd_code_at(f, j, e)];
         int u = qd_nibbles(f) ? (b >> (4 * h)) & 15 : f.bits == 8 ? b - 128 : b;

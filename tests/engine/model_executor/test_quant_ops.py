@@ -165,12 +165,12 @@ def test_int8_dot_is_chosen_within_quantized_activations_only():
         w41, w80 = ops.pack(q41, torch.float32), ops.pack(q80, torch.float32)
     assert w41.int8_dot and w80.int8_dot
     assert ops.storage_name(w41) == "Q4_1 x int8" and ops.storage_name(w80) == "Q8_0 x int8"
-    assert w41.nbytes <= q41.nbytes * 1.2  # 4-bit codes stay nibbles: + float32 scale and offset a group
-    assert w80.nbytes <= q80.nbytes * 36 / 34  # a byte a code and a float32 scale a group, no offset
+    # the blocks' own bytes, regrouped: nibbles (and a plane of fifth bits), float16 d (and m)
     with ops.quantized_activations("int8"):
-        q50 = random_blocks("Q5_0", 64, 64)
-        w50 = ops.pack(q50, torch.float32)
-    assert w50.nbytes <= q50.nbytes * 7 / 5.5  # nibbles and a bit plane: 7 bits a weight with S and O
+        q50, q4k = random_blocks("Q5_0", 64, 64), random_blocks("Q4_K", 64, 256)
+        w50, w4k = ops.pack(q50, torch.float32), ops.pack(q4k, torch.float32)
+    assert (w41.nbytes, w80.nbytes, w50.nbytes) == (q41.nbytes, q80.nbytes, q50.nbytes)
+    assert w4k.nbytes == 64 * 256 * (4 + 64 / 32) // 8  # K-quants: float32 S and O a group of 32
     with pytest.raises(ValueError, match="none or int8"):
         with ops.quantized_activations("fp8"):
             pass

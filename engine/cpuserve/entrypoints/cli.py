@@ -31,7 +31,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: a GGUF keeps its quantized blocks (gguf), an AWQ / GPTQ checkpoint its 4-bit groups, "
                         "a compressed-tensors one its int8 W8A8 weights; none: widen every weight to --dtype")
     p.add_argument("--quantized-activations", default="none", choices=["none", "int8"],
-                   help="int8: GEMMs on GGUF / AWQ / GPTQ blocks of at most 6-bit codes (Q8_0 excepted) quantize "
+                   help="int8: GEMMs on GGUF / AWQ / GPTQ blocks (every kept type) quantize "
                         "their input to int8 per block and use int8 dot products (llama.cpp's scheme): faster "
                         "batches, activations rounded (see the README for the perplexity change)")
     p.add_argument("--block-size", type=int, default=128)

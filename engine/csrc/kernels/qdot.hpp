@@ -18,15 +18,15 @@
 //          k = 4q + j in the low nibble, of column L + l in the high nibble (one load, two vectors)
 //          5-bit types: [G / 4][5L] bytes, the 4-bit layout's 4L bytes of low nibbles, then L bytes of
 //          their fifth bits: bit b of the first L / 2 bytes for byte b's low nibble, of the next
-//          L / 2 for its high nibble (7 bits a weight with S and O, against 10 a byte a code)
+//          L / 2 for its high nibble (Q5_0: 5.5 bits a weight with its float16 S, as in the file)
 //          6- and 8-bit types: [G / 4][2][4L] bytes, one code a byte, column h * L + l at [q][h][4l + j]
 //   S      [kI8NR], then O [kI8NR]: float32, or the blocks' float16 where that is the same number
 //          (qd_fac: O not stored where it is -offset_code * S, or for 8-bit codes)
 // 8-bit codes (Q8_0: u = q + 128, O = -128 S) are summed as sum (u - 128) * qa, so their epilogue
 // is S * sa * sum q * qa alone: u8 x s8 pairs of such codes overflow int16 where maddubs does the
 // products, so each ISA's VecI8::dotu8 takes its own route to that exact sum (VNNI's vpdpbusd on u,
-// less 128 * sum qa; elsewhere q's magnitude and sign). Q8_0 on this path reads 9 bits a weight
-// where the float path converts every byte: the tied embedding / LM head of the default GGUF.
+// less 128 * sum qa; elsewhere q's magnitude and sign). Q8_0 holds the default GGUF's tied
+// embedding / LM head.
 #pragma once
 #include <cmath>
 #include <cstring>
@@ -39,7 +39,7 @@ namespace {
 
 constexpr int kQdMR = 4;
 
-constexpr bool qd_supported(int t) { return qformat(t).block != 0 && (qformat(t).bits <= 6 || qformat(t).bits == 8); }
+constexpr bool qd_supported(int t) { return qformat(t).block != 0; }  // every kept block type
 
 constexpr int64_t qd_code_bytes(const QFormat& f) {
   return f.bits == 4 ? int64_t(f.group) * kI8NR / 2

@@ -196,8 +196,10 @@ class QuantWeight:
     regrouped into the quantized GEMM's panels: the same bytes, never widened.
 
     int8_dot: the int8-dot GEMM's panels instead (kernels/qdot.hpp): each weight's code with
-    its group's float32 scale and offset (8-bit codes: the scale alone), and the layer's input
-    quantized to int8 per group on the fly (llama.cpp's scheme)."""
+    its group's scale and offset, and the layer's input quantized to int8 per group on the fly
+    (llama.cpp's scheme). The legacy block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) keep their
+    blocks' float16 scale (and min), so their panels are the file's bytes; the K-quants and
+    AWQ / GPTQ blocks (Q4_ZP) keep a float32 scale and offset per group."""
 
     __slots__ = ("data", "n", "k", "qtype", "type_name", "int8_dot")
 

@@ -5,6 +5,13 @@
 // tiles run hides it (decode, where each byte is used once, is left to the hardware).
 // LineQueue does the same for the paged attention's next cache block, whose address no hardware
 // prefetcher can guess.
+//
+// Every prefetch here goes to L2 (prefetcht1), not L1: what is fetched ahead is a whole block or
+// chunk (a float32 attention block: 64 KB of keys and values), more than L1 holds, so into L1 it
+// pushed out lines still in use and its own first lines before they were read. AMD EPYC Zen 4, two
+// threads, engines taking turns (medians of 5): decode attention a layer, 200 tokens of context,
+// float32 16 sequences 379 -> 288 us, 64 sequences 1,433 -> 1,061, bfloat16 64 sequences 794 ->
+// 718; a 2,048-token prefill's attention unchanged (30-33 ms a layer either way).
 #pragma once
 #include <cstdint>
 
@@ -52,14 +59,14 @@ class LineQueue {
     if (head_ == n_) head_ = n_ = 0;
   }
   [[gnu::always_inline]] void issue(int k) {
-    issue(k, [](const char* line) { __builtin_prefetch(line, 0, 3); });
+    issue(k, [](const char* line) { __builtin_prefetch(line, 0, 2); });
   }
   // every queued line at once (also when a ninth run is pushed)
   void drain() {
     for (; head_ < n_; ++head_) {
       const Run& r = runs_[head_];
       for (int64_t row = r.row, line = r.line; row < r.rows; ++row, line = 0)
-        for (const char* p = r.p + row * r.stride; line < r.lines; ++line) __builtin_prefetch(p + line * 64, 0, 3);
+        for (const char* p = r.p + row * r.stride; line < r.lines; ++line) __builtin_prefetch(p + line * 64, 0, 2);
     }
     head_ = n_ = 0;
   }

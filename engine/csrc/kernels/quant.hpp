@@ -223,10 +223,12 @@ inline void q_micro(const float* a, int64_t lda, const uint8_t* w_, int64_t ps, 
       // panel's stream kQPrefetch bytes ahead (its own bytes only), a group's share of the block's
       // lines at a time: a K-quant's block (256 rows, 4.6 KB a panel) fetched at once was a burst
       // of 144 lines for two panels, and from memory Q4_K ran 1.5x slower than Q4_1 (cached 1.1x).
+      // Into L2, as prefetch.hpp says why: batch-1 GEMMs of a step (Zen 4, medians of 4 runs taking
+      // turns) Q4_1 5.9 -> 5.2 ms, Q4_K_M 8.4 -> 7.4, Q8_0 7.5 -> 5.8 against prefetches into L1.
       const int64_t lo = b * cb + g * cb / kGroups + kQPrefetch, hi = b * cb + (g + 1) * cb / kGroups + kQPrefetch;
       for (int q = 0; q < NP; ++q)
         for (int64_t line = (lo + 63) / 64; line < std::min((hi + 63) / 64, (ps + 63) / 64); ++line)
-          __builtin_prefetch(w_ + q * ps + line * 64);
+          __builtin_prefetch(w_ + q * ps + line * 64, 0, 2);
       VecF s[NP][2], o[NP][2];
       for (int q = 0; q < NP; ++q) {
         group_so<T>(w_ + q * ps + b * cb, g, 0, s[q][0], o[q][0]);

@@ -194,46 +194,52 @@ inline void accumulate_values(float* acc, const AOf<typename Src::Elem>* p, int6
 }
 
 // One block's step of a row's online softmax: p[0, n) holds the raw scores of the keys the row
-// sees in the block and becomes their probabilities exp(s * scale - m_new); the running max *m and
-// sum *l move on, and the accumulator acc[0, d) is rescaled for the new max. Vector steps in
-// fixed chunks of the key index from the row's first key in the block, which depends only on the
-// row's position: a row gets the same bits on every path. Always inlined: called per (row, head)
-// and block, out of line it costs the float32 prefill's attention about 5%.
+// sees in the block and becomes their probabilities exp(fma(s, scale, -m_new)); the running max *m
+// and sum *l move on, and the accumulator acc[0, d) is rescaled where the max moved. The max is
+// taken over the raw scores and the scale applied in the exp pass's multiply-add, one pass over
+// p fewer than scaling them in place first (a 2,048-token float32 prefill's attention, AMD EPYC
+// Zen 4, the two builds taking turns: 31.2 -> 30.6 ms a layer in medians, 30.8 -> 29.2 best).
+// Vector steps in fixed chunks of the key index from the row's first key in the block, which
+// depends only on the row's position: a row gets the same bits on every path. Always inlined:
+// called per (row, head) and block, out of line it costs the float32 prefill's attention about 5%.
 [[gnu::always_inline]] inline void online_softmax(float* p, int64_t n, float scale, float softcap, float* m,
                                                   float* l, float* acc, int64_t d) {
   float blk_max = -std::numeric_limits<float>::infinity();
+  float fold = 1.f;  // the factor the exp pass applies to p: the scale, where not applied here
   int64_t j = 0;
   if (softcap > 0.f) {
     for (; j < n; ++j) {
       p[j] = softcap * std::tanh(p[j] * scale / softcap);
       blk_max = std::max(blk_max, p[j]);
     }
-  } else {
-    const VecF vs = VecF::set1(scale);
+  } else if (scale > 0.f) {
+    // the raw scores' max: a positive factor keeps their order, and max(s) * scale rounds to
+    // max(s * scale); the exp pass scales each score in its fused multiply-add
     VecF vm = VecF::set1(blk_max);
-    for (; j + VecF::N <= n; j += VecF::N) {
-      const VecF x = VecF::load(p + j) * vs;
-      x.store(p + j);
-      vm = VecF::max(vm, x);
-    }
+    for (; j + VecF::N <= n; j += VecF::N) vm = VecF::max(vm, VecF::load(p + j));
     blk_max = vm.reduce_max();
+    for (; j < n; ++j) blk_max = std::max(blk_max, p[j]);
+    blk_max *= scale;
+    fold = scale;
+  } else {
     for (; j < n; ++j) {
       p[j] = p[j] * scale;
       blk_max = std::max(blk_max, p[j]);
     }
   }
   const float m_new = std::max(*m, blk_max);
-  const float alpha = std::exp(*m - m_new);  // exp(-inf) = 0 on the first block
-  const VecF vmax = VecF::set1(m_new);
+  // exp(-inf) = 0 on the first block; a max that did not move leaves the sum and accumulator
+  const float alpha = m_new == *m ? 1.f : std::exp(*m - m_new);
+  const VecF vf = VecF::set1(fold), vneg = VecF::set1(-m_new);
   VecF vsum = VecF::zero();
   for (j = 0; j + VecF::N <= n; j += VecF::N) {
-    const VecF e = (VecF::load(p + j) - vmax).exp();
+    const VecF e = VecF::fma(VecF::load(p + j), vf, vneg).exp();
     e.store(p + j);
     vsum = vsum + e;
   }
   float psum = vsum.reduce_sum();
   for (; j < n; ++j) {
-    p[j] = std::exp(p[j] - m_new);
+    p[j] = std::exp(std::fma(p[j], fold, -m_new));
     psum += p[j];
   }
   *l = *l * alpha + psum;

@@ -220,7 +220,7 @@ inline void qd_micro(const QdRows& A, int64_t r, const uint8_t* panel, float* ou
   for (int64_t g = 0; g < A.ng; ++g) {
     const uint8_t* chunk = panel + g * cb;
     if (ahead > 0)  // decode: this chunk's lines `ahead` bytes on (into the next panel, the same thread's)
-      for (int64_t line = 0; line < cb; line += 64) __builtin_prefetch(chunk + ahead + line, 0, 2);
+      for (int64_t line = 0; line < cb; line += 64) prefetch_l2(chunk + ahead + line);
     VecI8 acc[MR][2];
     for (int i = 0; i < MR; ++i) {
       // 8-bit codes: sum (u - 128) * qa, where dotu8 leaves kU8Bias * sum qa to take off

@@ -228,7 +228,7 @@ inline void q_micro(const float* a, int64_t lda, const uint8_t* w_, int64_t ps, 
       const int64_t lo = b * cb + g * cb / kGroups + kQPrefetch, hi = b * cb + (g + 1) * cb / kGroups + kQPrefetch;
       for (int q = 0; q < NP; ++q)
         for (int64_t line = (lo + 63) / 64; line < std::min((hi + 63) / 64, (ps + 63) / 64); ++line)
-          __builtin_prefetch(w_ + q * ps + line * 64, 0, 2);
+          prefetch_l2(w_ + q * ps + line * 64);
       VecF s[NP][2], o[NP][2];
       for (int q = 0; q < NP; ++q) {
         group_so<T>(w_ + q * ps + b * cb, g, 0, s[q][0], o[q][0]);

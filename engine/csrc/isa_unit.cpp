@@ -6,6 +6,7 @@
 #include "kernels/argmax.hpp"
 #include "kernels/attention.hpp"
 #include "kernels/cache.hpp"
+#include "kernels/gated_gemm.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/int8.hpp"
 #include "kernels/norm.hpp"
@@ -35,6 +36,7 @@ const KernelTable* CPUSERVE_TABLE_FN() {
       &paged_attention_impl,
       &pack_weight_impl,
       &gemm_impl,
+      &gemm_silu_impl,
       &qpack_impl,
       &qgemm_impl,
       &qrows_impl,

@@ -57,6 +57,10 @@ struct KernelTable {
   // a row's result does not depend on the batch it is computed in.
   void (*gemm)(float* c, const float* a, const void* w_packed, DType wdt, const float* bias,
                int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldc);
+  // act[M, F] = silu(A W[0:F]^T) * (A W[F:2F]^T), W [2F, K] packed by pack_weight: bit for bit
+  // gemm() then silu_and_mul(), without the [M, 2F] projection between them (gated_gemm.hpp).
+  void (*gemm_silu)(float* act, const float* a, const void* w_packed, DType wdt, int64_t m, int64_t f,
+                    int64_t k, int64_t lda, int64_t ldo);
   // GGUF block-quantized weights (kernels/quant_format.hpp; qtype: ggml's type id).
   // qpack: n GGUF rows of k weights (fields in host byte order) -> panels of gemm_nr rows.
   void (*qpack)(uint8_t* dst, const uint8_t* src, int qtype, int64_t n, int64_t k);

@@ -358,6 +358,28 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, out: torch.Tens
     return out
 
 
+def linear_silu(x: torch.Tensor, w, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                k=KERNELS) -> torch.Tensor:
+    """silu(x @ Wg^T) * (x @ Wu^T) -> [M, F] for a gate/up weight W = [Wg; Wu] ([2F, K], from
+    pack()): on dense weights one fused pass (kernels/gated_gemm.hpp), else linear() then
+    silu_and_mul(); the same bits either way."""
+    if bias is not None or is_stacked(w) or is_quantized(w) or is_int8(w):
+        act = silu_and_mul(linear(x, w, bias, k=k), k=k)
+        return act if out is None else out.copy_(act)
+    _f32(x, "x")
+    if x.shape[1] != w.k:
+        raise ValueError(f"linear_silu: input has {x.shape[1]} features, weight expects {w.k}")
+    if w.n % 2:
+        raise ValueError(f"linear_silu: a gate/up weight has an even number of rows, got {w.n}")
+    f = w.n // 2
+    out = torch.empty((x.shape[0], f), dtype=torch.float32) if out is None else out
+    if out.shape != (x.shape[0], f) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"linear_silu: out must be float32 [{x.shape[0]}, {f}] with unit column stride")
+    k.gemm_silu(out.data_ptr(), x.data_ptr(), w.data.data_ptr(), _dtype_code(w.dtype), x.shape[0], f, w.k,
+                x.stride(0), out.stride(0))
+    return out
+
+
 def dequantized_rows(w: QuantWeight, ids: torch.Tensor, k=KERNELS) -> torch.Tensor:
     """float32 rows `ids` of a quantized weight (an embedding lookup): [len(ids), K]."""
     ids = ids.to(torch.int64).contiguous()

@@ -47,10 +47,20 @@ void DecoderStack::layer(const DecoderLayerDesc& L, float* h, float* res, bool f
                       L.window, L.softcap, w, qs, L.k_scale, L.v_scale);
   linear(L.o, attn, qs, h, H, T);
   t_->fused_add_rms_norm(h, res, L.post_norm, T, H, H, H, L.eps);
-  float* gu = gate_up_.data();
-  linear(L.gate_up, h, H, gu, 2 * inter_, T);
-  t_->silu_and_mul(act_.data(), gu, T, inter_, 2 * inter_, inter_);
+  gated_mlp_input(L.gate_up, h, T);
   linear(L.down, act_.data(), inter_, h, H, T);
+}
+
+// act_ = silu(gate) * up of the merged gate_up projection of h: one fused pass over dense weights
+// (ops.linear_silu's rule, the same bits as the two kernels apart).
+void DecoderStack::gated_mlp_input(const LinearDesc& gu, const float* h, int64_t T) {
+  const int64_t H = hidden_;
+  if (gu.parts.size() == 1 && gu.parts[0].kind < 16 && gu.bias == nullptr) {
+    t_->gemm_silu(act_.data(), h, gu.parts[0].w, static_cast<DType>(gu.parts[0].kind), T, inter_, H, H, inter_);
+    return;
+  }
+  linear(gu, h, H, gate_up_.data(), 2 * inter_, T);
+  t_->silu_and_mul(act_.data(), gate_up_.data(), T, inter_, 2 * inter_, inter_);
 }
 
 void DecoderStack::run(float* h, float* residual, bool residual_valid, const StepMeta& m) {

@@ -69,6 +69,7 @@ class DecoderStack {
  private:
   void linear(const LinearDesc& l, const float* x, int64_t lda, float* out, int64_t ldc, int64_t m);
   void layer(const DecoderLayerDesc& L, float* h, float* residual, bool first, const StepMeta& m);
+  void gated_mlp_input(const LinearDesc& gate_up, const float* h, int64_t T);
 
   const KernelTable* t_;
   int64_t hidden_, inter_;

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -200,6 +201,40 @@ TEST_P(VectorVsScalar, GemmAllDtypes) {
     check_gemm<bf16>(GetParam(), DType::BF16, shape[0], shape[1], shape[2]);
 #if !defined(__s390x__)
     check_gemm<f16>(GetParam(), DType::F16, shape[0], shape[1], shape[2]);
+#endif
+  }
+}
+
+// Every table, the scalar one included: the gate/up GEMM fused with SiLU-and-mul equals gemm()
+// then silu_and_mul() bit for bit (F a multiple of the panel width or not, one pass or row
+// tiles, K blocks), into a strided output whose other columns stay untouched.
+template <typename T>
+void check_gemm_silu(const KernelTable* tab, DType dt) {
+  for (auto [m, f, k] : std::vector<std::array<int64_t, 3>>{{1, 128, 64}, {2, 64, 33}, {8, 96, 576}, {9, 32, 4200},
+                                                            {50, 160, 40}, {300, 64, 70}, {3, 40, 17}}) {
+    auto a = randn(m * k, 21);
+    auto w = convert<T>(randn(2 * f * k, 22, 0.1f));
+    std::vector<T> packed(((2 * f + tab->gemm_nr - 1) / tab->gemm_nr) * tab->gemm_nr * (k + k % 2));
+    tab->pack_weight(packed.data(), w.data(), dt, 2 * f, k);
+    std::vector<float> proj(m * 2 * f), want(m * f), got(m * (f + 3), -7.f);
+    tab->gemm(proj.data(), a.data(), packed.data(), dt, nullptr, m, 2 * f, k, k, 2 * f);
+    tab->silu_and_mul(want.data(), proj.data(), m, f, 2 * f, f);
+    tab->gemm_silu(got.data(), a.data(), packed.data(), dt, m, f, k, k, f + 3);
+    for (int64_t r = 0; r < m; ++r) {
+      ASSERT_EQ(0, std::memcmp(&got[r * (f + 3)], &want[r * f], f * 4)) << tab->isa << " m " << m << " f " << f;
+      for (int64_t j = f; j < f + 3; ++j) ASSERT_EQ(got[r * (f + 3) + j], -7.f);
+    }
+  }
+}
+
+TEST(GatedGemm, EqualsGemmThenSiluAndMulEveryTable) {
+  std::vector<const KernelTable*> tables = vector_tables();
+  tables.push_back(table_scalar());
+  for (const KernelTable* tab : tables) {
+    check_gemm_silu<float>(tab, DType::F32);
+    check_gemm_silu<bf16>(tab, DType::BF16);
+#if !defined(__s390x__)
+    check_gemm_silu<f16>(tab, DType::F16);
 #endif
   }
 }

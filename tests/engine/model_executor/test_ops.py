@@ -296,6 +296,49 @@ def test_gemm_rows_independent_of_batch(kern):
         assert torch.equal(ops.linear(x[lo:hi], w, k=kern), full[lo:hi])
 
 
+@pytest.mark.parametrize("dtype", STORAGE)
+# F: multiples of every ISA's panel width (fused, gated_gemm.hpp) and not (projection, then
+# silu_and_mul); rows as in test_gemm: one pass (<= 8), row tiles, K blocks (k = 4,200)
+@pytest.mark.parametrize("m,f,k", [(1, 1536, 576), (2, 96, 64), (5, 192, 33), (8, 160, 576), (9, 64, 4200),
+                                   (64, 1536, 576), (300, 96, 70), (3, 40, 17), (70, 17, 96)])
+def test_linear_silu(kern, dtype, m, f, k):
+    """The gate/up projection fused with SiLU-and-mul: torch's reference within the GEMM's
+    tolerance, and bit for bit the two kernels apart (which the engine ran before)."""
+    torch.manual_seed(m + f + k)
+    x, w = torch.randn(m, k), (torch.randn(2 * f, k) / math.sqrt(k)).to(dtype)
+    pw = ops.PackedWeight(w, k=kern)
+    got = ops.linear_silu(x, pw, k=kern)
+    assert torch.equal(got, ops.silu_and_mul(ops.linear(x, pw, k=kern), k=kern))
+    want = ref.silu_and_mul(ref.linear(x, w.float(), None, bf16_inputs=kern.bf16_dot and dtype == torch.bfloat16))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * math.sqrt(k))
+    whole = torch.full((m, f + 3), float("nan"))
+    out = whole[:, :f]  # a strided output keeps its other columns
+    assert ops.linear_silu(x, pw, out=out, k=kern) is out and torch.equal(out, got)
+    assert whole[:, f:].isnan().all()
+
+
+def test_linear_silu_unfused_weights(kern):
+    """A bias, or a weight in parts of different storage: the projection, then SiLU-and-mul."""
+    torch.manual_seed(1)
+    x, w, b = torch.randn(5, 40), torch.randn(96, 40) * 0.2, torch.randn(96)
+    parts = ops.StackedWeight([ops.PackedWeight(w[:32], k=kern), ops.PackedWeight(w[32:].bfloat16(), k=kern)])
+    for weight, bias in ((ops.PackedWeight(w, k=kern), b), (parts, None)):
+        want = ops.silu_and_mul(ops.linear(x, weight, bias, k=kern), k=kern)
+        out = torch.empty(5, 48)
+        assert torch.equal(ops.linear_silu(x, weight, bias, k=kern), want)
+        assert ops.linear_silu(x, weight, bias, out=out, k=kern) is out and torch.equal(out, want)
+
+
+def test_linear_silu_rejects_bad_input():
+    pw = ops.PackedWeight(torch.randn(6, 8))
+    with pytest.raises(ValueError, match="features"):
+        ops.linear_silu(torch.randn(2, 9), pw)
+    with pytest.raises(ValueError, match="even number of rows"):
+        ops.linear_silu(torch.randn(2, 8), ops.PackedWeight(torch.randn(5, 8)))
+    with pytest.raises(ValueError, match="out must be"):
+        ops.linear_silu(torch.randn(2, 8), pw, out=torch.empty(2, 4))
+
+
 @pytest.mark.parametrize("n", [0, 1, 63, 64 * 5 + 17, 1 << 20])
 def test_read_sum(kern, n):
     """The bandwidth probe's streaming sum: torch's sum, up to float32 rounding of n terms."""

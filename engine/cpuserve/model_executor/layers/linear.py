@@ -70,6 +70,10 @@ class MergedColumnParallelLinear(Linear):
                 bparts.append(biases[i][start:start + n])
         super().__init__(cat_rows(parts), torch.cat(bparts) if bparts else None, dtype)
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this [gate; up] projection of x, fused where the weight allows."""
+        return ops.linear_silu(self.inputs(x), self.weight, self.bias)
+
 
 def qkv_head_split(hq: int, hk: int, size: int) -> list[tuple[int, int, int, int]]:
     """(first q head, q heads, first kv head, kv heads) of every rank: query heads

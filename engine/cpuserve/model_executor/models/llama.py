@@ -49,7 +49,7 @@ class LlamaDecoderLayer:
         self.rotary(positions, q, k)
         h = self.o_proj(self.attn(q, k, v))
         h, residual = self.post_attn_norm(h, residual)
-        h = self.down(ops.silu_and_mul(self.gate_up(h)))
+        h = self.down(self.gate_up.silu_and_mul(h))
         return h, residual
 
 

@@ -224,6 +224,11 @@ PYBIND11_MODULE(_C, m) {
                            int64_t kk, int64_t lda, int64_t ldo) {
              k.t->gemm_silu(ptr<float>(act), ptr<const float>(a), ptr<const void>(w), to_dtype(dt), m, f, kk, lda, ldo);
            }, G())
+      .def("qgemm_silu", [](const Kernels& k, uintptr_t act, uintptr_t a, uintptr_t w, int qt, int64_t m, int64_t f,
+                            int64_t kk, int64_t lda, int64_t ldo) {
+             qformat_checked(qt, kk);
+             k.t->qgemm_silu(ptr<float>(act), ptr<const float>(a), ptr<const uint8_t>(w), qt, m, f, kk, lda, ldo);
+           }, G())
       .def("qpacked_bytes", [](const Kernels& k, int qt, int64_t n, int64_t kk) {
              qformat_checked(qt, kk);
              return cpuserve::qpacked_bytes(qt, n, kk, k.t->gemm_nr);

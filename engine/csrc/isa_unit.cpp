@@ -39,6 +39,7 @@ const KernelTable* CPUSERVE_TABLE_FN() {
       &gemm_silu_impl,
       &qpack_impl,
       &qgemm_impl,
+      &qgemm_silu_impl,
       &qrows_impl,
       &i8packed_bytes_impl,
       &i8pack_impl,

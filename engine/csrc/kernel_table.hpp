@@ -67,6 +67,9 @@ struct KernelTable {
   // As gemm, on a qpacked weight: bit for bit gemm() on the dequantized weight.
   void (*qgemm)(float* c, const float* a, const uint8_t* w, int qtype, const float* bias, int64_t m,
                 int64_t n, int64_t k, int64_t lda, int64_t ldc);
+  // As gemm_silu, on a qpacked [2F, K] weight: bit for bit qgemm() then silu_and_mul().
+  void (*qgemm_silu)(float* act, const float* a, const uint8_t* w, int qtype, int64_t m, int64_t f, int64_t k,
+                     int64_t lda, int64_t ldo);
   // out[i, :k] = row ids[i] of a qpacked weight, dequantized (embedding lookups).
   void (*qrows)(float* out, const uint8_t* w, int qtype, const int64_t* ids, int64_t count, int64_t k);
   // W8A8 (kernels/int8.hpp): int8 weights with per-output-channel scales, activations

@@ -1,11 +1,11 @@
 // The gated MLP's first half in one pass: act[M, F] = silu(A @ Wg^T) * (A @ Wu^T), where the
 // gate and up projections are one packed [2F, K] weight (gate rows first, as the model's merged
-// gate_up). Each thread takes gate panel j and up panel j together (F a multiple of the panel
+// gate_up), dense (gemm.hpp) or GGUF blocks on the float path (quant.hpp). Each thread takes gate panel j and up panel j together (F a multiple of the panel
 // width) and applies SiLU-and-mul to the pair's outputs while they are still in its L1 / L2,
 // instead of writing the [M, 2F] projection out and reading it back in a second parallel pass.
 //
-// The same bits as gemm() followed by silu_and_mul(): every projection element is gemm's one
-// fused multiply-add chain over k (continued across K blocks through the scratch), and
+// The same bits as gemm() (qgemm()) followed by silu_and_mul(): every projection element is the
+// GEMM's one fused multiply-add chain over k (continued across K blocks through the scratch), and
 // silu_mul_row treats each element on its own.
 #pragma once
 #include <algorithm>
@@ -13,6 +13,7 @@
 #include <omp.h>
 #include "activation.hpp"
 #include "gemm.hpp"
+#include "quant.hpp"
 
 namespace cpuserve {
 namespace {
@@ -112,6 +113,99 @@ void gemm_silu_impl(float* act, const float* a, const void* w, DType dt, int64_t
     case DType::BF16: return gemm_silu_t(act, a, static_cast<const bf16*>(w), m, f, k, lda, ldo);
     case DType::F16: return gemm_silu_t(act, a, static_cast<const f16*>(w), m, f, k, lda, ldo);
   }
+}
+
+// GGUF blocks, decode (quant.hpp q_decode_gemm's rows): gate panel j and up panel j of MR rows, then
+// SiLU-and-mul. Up to 2 rows take both panels in one micro-kernel pass (panels `pairs` apart).
+template <int T, int MR>
+void q_gated_decode(float* act, const float* a, const uint8_t* w, int64_t pairs, int64_t nb, int64_t lda,
+                    int64_t ldo) {
+  const int64_t ps = nb * qchunk_bytes(qformat(T), kNR);
+#pragma omp parallel for schedule(static) if (2 * pairs * kNR * nb * qformat(T).block > 32768)
+  for (int64_t j = 0; j < pairs; ++j) {
+    alignas(64) float buf[MR * 2 * kNR];
+    if constexpr (MR <= 2) {  // gate j, then j + 1; up j, then j + 1
+      q_micro<T, MR, 2>(a, lda, w + j * ps, pairs * ps, nb, buf, 2 * kNR, kNR, ps);
+    } else {  // gate j, up j, gate j + 1
+      q_micro<T, MR, 1>(a, lda, w + j * ps, ps, nb, buf, 2 * kNR, kNR, pairs * ps);
+      q_micro<T, MR, 1>(a, lda, w + (j + pairs) * ps, ps, nb, buf + kNR, 2 * kNR, kNR, (1 - pairs) * ps);
+    }
+    for (int i = 0; i < MR; ++i) silu_mul_row(act + i * ldo + j * kNR, buf + 2 * i * kNR, buf + (2 * i + 1) * kNR, kNR);
+  }
+}
+
+// GGUF blocks, batch rows (qgemm_t's second path): each pair's gate and up chunks decoded into the
+// L1 buffer in turn, every row tile run over them into the scratch, then SiLU-and-mul.
+template <int T>
+void q_gated_batch(float* act, const float* a, const uint8_t* w, int64_t m, int64_t pairs, int64_t nb, int64_t lda,
+                   int64_t ldo) {
+  constexpr QFormat f = qformat(T);
+  const int64_t ps = nb * qchunk_bytes(f, kNR);
+  const int64_t m_tiles = row_tiles(m, 2 * pairs);
+  const int64_t mc = ((m + m_tiles - 1) / m_tiles + kMR - 1) / kMR * kMR;
+  const int64_t per_group = std::max<int64_t>(1, std::min<int64_t>(4, pairs * m_tiles / 64));  // qgemm_t's, in pairs
+  const int64_t groups = (pairs + per_group - 1) / per_group;
+  const int64_t bpc = std::max<int64_t>(1, kQKC / f.block);
+#pragma omp parallel for schedule(static) collapse(2)
+  for (int64_t mt = 0; mt < m_tiles; ++mt) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t m0 = mt * mc, m1 = std::min(m, m0 + mc);
+      if (m0 >= m) continue;
+      alignas(64) float buf[kQKC * kNR];
+      static thread_local std::vector<float> scratch;
+      scratch.resize(static_cast<size_t>((m1 - m0) * 2 * kNR));
+      for (int64_t j = g * per_group; j < std::min(pairs, (g + 1) * per_group); ++j) {
+        for (int half = 0; half < 2; ++half)
+          for (int64_t b0 = 0; b0 < nb; b0 += bpc) {
+            const int64_t b1 = std::min(nb, b0 + bpc), kc = (b1 - b0) * f.block;
+            q_dequant<T>(w + (j + half * pairs) * ps, b0, b1, buf);
+            for (int64_t r = m0; r < m1; r += kMR)
+              micro_rows(static_cast<int>(std::min<int64_t>(kMR, m1 - r)), a + r * lda + b0 * f.block, lda,
+                         static_cast<const float*>(buf), kc, 0, kc, scratch.data() + (r - m0) * 2 * kNR + half * kNR,
+                         2 * kNR, 0, 1, kNR, b0 == 0);
+          }
+        for (int64_t r = m0; r < m1; ++r) {
+          const float* row = scratch.data() + (r - m0) * 2 * kNR;
+          silu_mul_row(act + r * ldo + j * kNR, row, row + kNR, kNR);
+        }
+      }
+    }
+  }
+}
+
+template <int T>
+void q_gated_t(float* act, const float* a, const uint8_t* w, int64_t m, int64_t f, int64_t k, int64_t lda,
+               int64_t ldo) {
+  const int64_t pairs = f / kNR, nb = k / qformat(T).block;
+  if (m > kDecodeRows) return q_gated_batch<T>(act, a, w, m, pairs, nb, lda, ldo);
+  for (int64_t r = 0; r < m; r += 8) {
+    float* o = act + r * ldo;
+    const float* ar = a + r * lda;
+    switch (std::min<int64_t>(8, m - r)) {
+      case 1: q_gated_decode<T, 1>(o, ar, w, pairs, nb, lda, ldo); break;
+      case 2: q_gated_decode<T, 2>(o, ar, w, pairs, nb, lda, ldo); break;
+      case 3: q_gated_decode<T, 3>(o, ar, w, pairs, nb, lda, ldo); break;
+      case 4: q_gated_decode<T, 4>(o, ar, w, pairs, nb, lda, ldo); break;
+      case 5: q_gated_decode<T, 5>(o, ar, w, pairs, nb, lda, ldo); break;
+      case 6: q_gated_decode<T, 6>(o, ar, w, pairs, nb, lda, ldo); break;
+      case 7: q_gated_decode<T, 7>(o, ar, w, pairs, nb, lda, ldo); break;
+      default: q_gated_decode<T, 8>(o, ar, w, pairs, nb, lda, ldo); break;
+    }
+  }
+}
+
+// gemm_silu_impl for a weight packed by qpack_impl (GGUF blocks, float activations).
+void qgemm_silu_impl(float* act, const float* a, const uint8_t* w, int t, int64_t m, int64_t f, int64_t k,
+                     int64_t lda, int64_t ldo) {
+  if (f % kNR != 0) {
+    static thread_local std::vector<float> proj;
+    proj.resize(static_cast<size_t>(m * 2 * f));
+    qgemm_impl(proj.data(), a, w, t, nullptr, m, 2 * f, k, lda, 2 * f);
+    return silu_and_mul_impl(act, proj.data(), m, f, 2 * f, ldo);
+  }
+#define CPUSERVE_QGATED(T) q_gated_t<T>(act, a, w, m, f, k, lda, ldo)
+  CPUSERVE_QTYPE_SWITCH(t, CPUSERVE_QGATED)
+#undef CPUSERVE_QGATED
 }
 
 }  // namespace

@@ -206,11 +206,13 @@ inline void codes_pair(const uint8_t* codes, int r, int col0, VecF& q0, VecF& q1
   }
 }
 
-// Decode micro-kernel: MR rows of A against NP whole panels over all of K,
-// accumulators in registers from zero (the dense kernel's chain).
+// Decode micro-kernel: MR rows of A against NP whole panels over all of K (panels ps bytes
+// apart), accumulators in registers from zero (the dense kernel's chain). `then`: where, from
+// each panel, the panel the calling thread streams after it starts (bytes): the prefetch runs on
+// into it past the panel's end, so that its stream does not start cold.
 template <int T, int MR, int NP>
 inline void q_micro(const float* a, int64_t lda, const uint8_t* w_, int64_t ps, int64_t nb, float* c,
-                    int64_t ldc, int cols) {
+                    int64_t ldc, int cols, int64_t then) {
   constexpr QFormat f = qformat(T);
   constexpr int64_t cb = qchunk_bytes(f, kNR);
   VecF acc[MR][NP][2];
@@ -227,8 +229,8 @@ inline void q_micro(const float* a, int64_t lda, const uint8_t* w_, int64_t ps, 
       // turns) Q4_1 5.9 -> 5.2 ms, Q4_K_M 8.4 -> 7.4, Q8_0 7.5 -> 5.8 against prefetches into L1.
       const int64_t lo = b * cb + g * cb / kGroups + kQPrefetch, hi = b * cb + (g + 1) * cb / kGroups + kQPrefetch;
       for (int q = 0; q < NP; ++q)
-        for (int64_t line = (lo + 63) / 64; line < std::min((hi + 63) / 64, (ps + 63) / 64); ++line)
-          prefetch_l2(w_ + q * ps + line * 64);
+        for (int64_t at = (lo + 63) / 64 * 64; at < hi; at += 64)
+          prefetch_l2(w_ + q * ps + (at < nb * cb ? at : then + at - nb * cb));
       VecF s[NP][2], o[NP][2];
       for (int q = 0; q < NP; ++q) {
         group_so<T>(w_ + q * ps + b * cb, g, 0, s[q][0], o[q][0]);
@@ -303,11 +305,11 @@ void q_decode_gemm(float* c, const float* a, const uint8_t* w, const float* bias
     // two panels at once where their accumulators fit the registers (up to 2 rows), else one at a time
     const bool two = MR <= 2 && (p + 2) * kNR <= n;
     if constexpr (MR <= 2)
-      if (two) q_micro<T, MR, 2>(a, lda, w + p * ps, ps, nb, c + p * kNR, ldc, kNR);
+      if (two) q_micro<T, MR, 2>(a, lda, w + p * ps, ps, nb, c + p * kNR, ldc, kNR, 2 * ps);
     if (!two)
       for (int64_t q = p; q < std::min(panels, p + 2); ++q)
         q_micro<T, MR, 1>(a, lda, w + q * ps, ps, nb, c + q * kNR, ldc,
-                          static_cast<int>(std::min<int64_t>(kNR, n - q * kNR)));
+                          static_cast<int>(std::min<int64_t>(kNR, n - q * kNR)), ps);
     if (bias != nullptr)
       for (int64_t r = 0; r < MR; ++r)
         for (int64_t col = p * kNR; col < std::min(n, (p + 2) * kNR); ++col) c[r * ldc + col] += bias[col];

@@ -52,11 +52,16 @@ void DecoderStack::layer(const DecoderLayerDesc& L, float* h, float* res, bool f
 }
 
 // act_ = silu(gate) * up of the merged gate_up projection of h: one fused pass over dense weights
-// (ops.linear_silu's rule, the same bits as the two kernels apart).
+// and GGUF blocks on the float path (ops.linear_silu's rule, the same bits as the two kernels apart).
 void DecoderStack::gated_mlp_input(const LinearDesc& gu, const float* h, int64_t T) {
   const int64_t H = hidden_;
-  if (gu.parts.size() == 1 && gu.parts[0].kind < 16 && gu.bias == nullptr) {
-    t_->gemm_silu(act_.data(), h, gu.parts[0].w, static_cast<DType>(gu.parts[0].kind), T, inter_, H, H, inter_);
+  const int kind = gu.parts.size() == 1 && gu.bias == nullptr ? gu.parts[0].kind : -1;
+  if (kind >= 0 && kind < 16) {
+    t_->gemm_silu(act_.data(), h, gu.parts[0].w, static_cast<DType>(kind), T, inter_, H, H, inter_);
+    return;
+  }
+  if (kind >= 16 && kind < kInt8Kind) {
+    t_->qgemm_silu(act_.data(), h, static_cast<const uint8_t*>(gu.parts[0].w), kind - 16, T, inter_, H, H, inter_);
     return;
   }
   linear(gu, h, H, gate_up_.data(), 2 * inter_, T);

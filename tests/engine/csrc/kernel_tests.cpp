@@ -406,6 +406,29 @@ TEST(Quantized, GemmEqualsDenseOnDequantizedWeightsEveryTable) {
   }
 }
 
+// Every table: the gate/up GEMM on GGUF blocks fused with SiLU-and-mul equals qgemm() then
+// silu_and_mul() bit for bit, on the decode path (8 rows a pass) and the batch path.
+TEST(Quantized, GatedGemmEqualsQgemmThenSiluAndMulEveryTable) {
+  std::vector<const KernelTable*> tables = vector_tables();
+  tables.push_back(table_scalar());
+  for (int t : {3, 8, 12, 14}) {
+    const int64_t f = 64, k = qformat(t).block == 256 ? 512 : 96;
+    const auto raw = random_gguf(t, 2 * f, k, 200 + t);
+    for (const KernelTable* tab : tables) {
+      std::vector<uint8_t> packed(qpacked_bytes(t, 2 * f, k, tab->gemm_nr));
+      tab->qpack(packed.data(), raw.data(), t, 2 * f, k);
+      for (int64_t m : {1, 2, 3, 9, 33, 50}) {
+        auto a = randn(m * k, 30 + m);
+        std::vector<float> proj(m * 2 * f), want(m * f), got(m * f);
+        tab->qgemm(proj.data(), a.data(), packed.data(), t, nullptr, m, 2 * f, k, k, 2 * f);
+        tab->silu_and_mul(want.data(), proj.data(), m, f, 2 * f, f);
+        tab->qgemm_silu(got.data(), a.data(), packed.data(), t, m, f, k, k, f);
+        ASSERT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * 4)) << tab->isa << " type " << t << " m " << m;
+      }
+    }
+  }
+}
+
 // The W8A8 product written out: per-token activation codes, exact integer sums, then floats.
 std::vector<float> w8a8_reference(const std::vector<float>& a, const std::vector<int8_t>& w,
                                   const std::vector<float>& sw, const std::vector<float>& bias, int64_t m, int64_t n,

@@ -128,6 +128,24 @@ def test_clear_errors():
         ops.dequantized_rows(ops.QuantWeight(qt), torch.tensor([32]))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_quantized_gate_up_with_silu_equals_the_two_kernels(isa, qtype):
+    """ops.linear_silu on a GGUF gate/up weight (F = 96: whole panels on every ISA; F = 40: not on
+    AVX-512): bit for bit qgemm then silu_and_mul, decode- and batch-shaped; on the int8-dot path
+    (not fused) the same rule holds."""
+    k = _C.Kernels(isa)
+    for f in (96, 40):
+        qt = random_blocks(qtype, 2 * f, 512, seed=len(qtype) + f)
+        for w in (ops.QuantWeight(qt, k=k), ops.QuantWeight(qt, k=k, int8_dot=True)):
+            if w.int8_dot and not ops.int8_dot_supported(w.qtype):
+                continue
+            for m in (1, 2, 3, 8, 9, 33, 64):
+                x = torch.randn(m, 512)
+                want = ops.silu_and_mul(ops.linear(x, w, k=k), k=k)
+                assert torch.equal(ops.linear_silu(x, w, k=k), want), (f, m, w.type_name)
+
+
 DOT_TYPES = [name for t, (name, _, _) in QTYPES.items() if ops.int8_dot_supported(t)]
 
 

@@ -1,8 +1,9 @@
 // The gated MLP's first half in one pass: act[M, F] = silu(A @ Wg^T) * (A @ Wu^T), where the
 // gate and up projections are one packed [2F, K] weight (gate rows first, as the model's merged
-// gate_up), dense (gemm.hpp) or GGUF blocks on the float path (quant.hpp). Each thread takes gate panel j and up panel j together (F a multiple of the panel
-// width) and applies SiLU-and-mul to the pair's outputs while they are still in its L1 / L2,
-// instead of writing the [M, 2F] projection out and reading it back in a second parallel pass.
+// gate_up), dense (gemm.hpp) or GGUF blocks on the float path (quant.hpp). Each thread takes
+// gate panel j and up panel j together (F a multiple of the panel width) and applies SiLU-and-mul
+// to the pair's outputs while they are still in its L1 / L2, instead of writing the [M, 2F]
+// projection out and reading it back in a second parallel pass.
 //
 // The same bits as gemm() (qgemm()) followed by silu_and_mul(): every projection element is the
 // GEMM's one fused multiply-add chain over k (continued across K blocks through the scratch), and

@@ -265,6 +265,11 @@ PYBIND11_MODULE(_C, m) {
              qformat_checked(qt, kk);
              k.t->qdpack(ptr<uint8_t>(dst), ptr<const uint8_t>(src), qt, n, kk);
            }, G())
+      .def("qdgemm_silu", [](const Kernels& k, uintptr_t act, uintptr_t a, uintptr_t w, int qt, int64_t m, int64_t f,
+                             int64_t kk, int64_t lda, int64_t ldo) {
+             qformat_checked(qt, kk);
+             k.t->qdgemm_silu(ptr<float>(act), ptr<const float>(a), ptr<const uint8_t>(w), qt, m, f, kk, lda, ldo);
+           }, G())
       .def("qdgemm", [](const Kernels& k, uintptr_t c, uintptr_t a, uintptr_t w, int qt, uintptr_t bias, int64_t m,
                         int64_t n, int64_t kk, int64_t lda, int64_t ldc) {
              qformat_checked(qt, kk);

@@ -47,6 +47,7 @@ const KernelTable* CPUSERVE_TABLE_FN() {
       &qdpacked_bytes_impl,
       &qdpack_impl,
       &qdgemm_impl,
+      &qdgemm_silu_impl,
       &qdrows_impl,
       &read_sum_impl,
       &argmax_impl,

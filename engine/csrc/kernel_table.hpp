@@ -86,6 +86,9 @@ struct KernelTable {
   void (*qdpack)(uint8_t* dst, const uint8_t* src, int qtype, int64_t n, int64_t k);
   void (*qdgemm)(float* c, const float* a, const uint8_t* w, int qtype, const float* bias, int64_t m,
                  int64_t n, int64_t k, int64_t lda, int64_t ldc);
+  // As gemm_silu, on a qdpacked [2F, K] weight: bit for bit qdgemm() then silu_and_mul().
+  void (*qdgemm_silu)(float* act, const float* a, const uint8_t* w, int qtype, int64_t m, int64_t f, int64_t k,
+                      int64_t lda, int64_t ldo);
   void (*qdrows)(float* out, const uint8_t* w, int qtype, const int64_t* ids, int64_t count, int64_t k);
   // The sum of x[0, n), every thread streaming its share (kernels/stream.hpp: the bandwidth probe).
   float (*read_sum)(const float* x, int64_t n);

@@ -1,11 +1,12 @@
 // The gated MLP's first half in one pass: act[M, F] = silu(A @ Wg^T) * (A @ Wu^T), where the
 // gate and up projections are one packed [2F, K] weight (gate rows first, as the model's merged
-// gate_up), dense (gemm.hpp) or GGUF blocks on the float path (quant.hpp). Each thread takes
+// gate_up), dense (gemm.hpp), GGUF blocks on the float path (quant.hpp) or on int8 dot products
+// (qdot.hpp). Each thread takes
 // gate panel j and up panel j together (F a multiple of the panel width) and applies SiLU-and-mul
 // to the pair's outputs while they are still in its L1 / L2, instead of writing the [M, 2F]
 // projection out and reading it back in a second parallel pass.
 //
-// The same bits as gemm() (qgemm()) followed by silu_and_mul(): every projection element is the
+// The same bits as gemm() (qgemm(), qdgemm()) followed by silu_and_mul(): every projection element is the
 // GEMM's one fused multiply-add chain over k (continued across K blocks through the scratch), and
 // silu_mul_row treats each element on its own.
 #pragma once
@@ -14,6 +15,7 @@
 #include <omp.h>
 #include "activation.hpp"
 #include "gemm.hpp"
+#include "qdot.hpp"
 #include "quant.hpp"
 
 namespace cpuserve {
@@ -207,6 +209,62 @@ void qgemm_silu_impl(float* act, const float* a, const uint8_t* w, int t, int64_
 #define CPUSERVE_QGATED(T) q_gated_t<T>(act, a, w, m, f, k, lda, ldo)
   CPUSERVE_QTYPE_SWITCH(t, CPUSERVE_QGATED)
 #undef CPUSERVE_QGATED
+}
+
+// GGUF blocks on int8 dot products (qdot.hpp): gate panel j and up panel j of rows [r, r + mr),
+// then SiLU-and-mul. Decode (ahead > 0) streams gate j, up j, gate j + 1.
+template <int T>
+inline void qd_gated_tile(const QdRows& A, int mr, int64_t r, int64_t j, const uint8_t* w, int64_t ps, int64_t pairs,
+                          float* act, int64_t ldo, int64_t ahead) {
+  alignas(64) float g[kQdMR * kI8NR], u[kQdMR * kI8NR];
+  qd_micro_rows<T>(A, mr, r, w + j * ps, g, ahead, pairs * ps);
+  qd_micro_rows<T>(A, mr, r, w + (j + pairs) * ps, u, ahead, (1 - pairs) * ps);
+  for (int i = 0; i < mr; ++i) {
+    float *gi = g + i * kI8NR, *ui = u + i * kI8NR;
+    for (int e = 0; e < kI8NR; ++e) {  // as qd_tile writes C without a bias: + 0 (a -0 becomes +0)
+      gi[e] += 0.f;
+      ui[e] += 0.f;
+    }
+    silu_mul_row(act + (r + i) * ldo + j * kI8NR, gi, ui, kI8NR);
+  }
+}
+
+template <int T>
+void qd_gated_t(float* act, const float* a, const uint8_t* w, int64_t m, int64_t f, int64_t k, int64_t lda,
+                int64_t ldo) {
+  const QdRows A = qd_rows_of(a, m, k, lda, qformat(T).group);
+  const int64_t pairs = f / kI8NR, ps = A.ng * qd_chunk_bytes(qformat(T));
+  if (m <= kQdMR) {  // decode, as qd_gemm_t's
+#pragma omp parallel for schedule(static) if (2 * f * k > 32768)
+    for (int64_t j = 0; j < pairs; ++j) qd_gated_tile<T>(A, static_cast<int>(m), 0, j, w, ps, pairs, act, ldo, kQdAhead);
+    return;
+  }
+  i8_schedule<kQdMR>(m, pairs, w, ps, [&](int mr, int64_t r, int64_t j) {
+    qd_gated_tile<T>(A, mr, r, j, w, ps, pairs, act, ldo, 0);
+  });
+}
+
+// gemm_silu_impl for a weight packed by qdpack_impl (GGUF blocks on int8 dot products).
+void qdgemm_silu_impl(float* act, const float* a, const uint8_t* w, int t, int64_t m, int64_t f, int64_t k,
+                      int64_t lda, int64_t ldo) {
+  if (!qd_supported(t)) return;
+  if (f % kI8NR != 0) {
+    static thread_local std::vector<float> proj;
+    proj.resize(static_cast<size_t>(m * 2 * f));
+    qdgemm_impl(proj.data(), a, w, t, nullptr, m, 2 * f, k, lda, 2 * f);
+    return silu_and_mul_impl(act, proj.data(), m, f, 2 * f, ldo);
+  }
+  switch (static_cast<QType>(t)) {
+    case QType::Q4_0: return qd_gated_t<int(QType::Q4_0)>(act, a, w, m, f, k, lda, ldo);
+    case QType::Q4_1: return qd_gated_t<int(QType::Q4_1)>(act, a, w, m, f, k, lda, ldo);
+    case QType::Q5_0: return qd_gated_t<int(QType::Q5_0)>(act, a, w, m, f, k, lda, ldo);
+    case QType::Q5_1: return qd_gated_t<int(QType::Q5_1)>(act, a, w, m, f, k, lda, ldo);
+    case QType::Q8_0: return qd_gated_t<int(QType::Q8_0)>(act, a, w, m, f, k, lda, ldo);
+    case QType::Q4_K: return qd_gated_t<int(QType::Q4_K)>(act, a, w, m, f, k, lda, ldo);
+    case QType::Q5_K: return qd_gated_t<int(QType::Q5_K)>(act, a, w, m, f, k, lda, ldo);
+    case QType::Q6_K: return qd_gated_t<int(QType::Q6_K)>(act, a, w, m, f, k, lda, ldo);
+    case QType::Q4_ZP: return qd_gated_t<int(QType::Q4_ZP)>(act, a, w, m, f, k, lda, ldo);
+  }
 }
 
 }  // namespace

@@ -206,9 +206,11 @@ inline void qd_so(const uint8_t* at, int h, VecF& s, VecF& o) {
   }
 }
 
-// MR rows from `r` x one panel over all of k -> out [MR][kI8NR].
+// MR rows from `r` x one panel over all of k -> out [MR][kI8NR]. `ahead` > 0 (decode): each chunk's
+// lines are fetched `ahead` bytes on, past the panel's end into the panel the thread takes next,
+// which starts `then` bytes from this one.
 template <int T, int MR>
-inline void qd_micro(const QdRows& A, int64_t r, const uint8_t* panel, float* out, int64_t ahead) {
+inline void qd_micro(const QdRows& A, int64_t r, const uint8_t* panel, float* out, int64_t ahead, int64_t then) {
   constexpr int L = VecI8::L, NF = kI8NR / VecF::N;
   constexpr QFormat f = qformat(T);
   constexpr int G = f.group, CODES = f.bits == 4 ? kQdNib : f.bits == 5 ? kQdNib5 : f.bits == 6 ? kQdByte : kQdU8;
@@ -219,8 +221,9 @@ inline void qd_micro(const QdRows& A, int64_t r, const uint8_t* panel, float* ou
   const int8_t* qa = A.q + r * A.k;
   for (int64_t g = 0; g < A.ng; ++g) {
     const uint8_t* chunk = panel + g * cb;
-    if (ahead > 0)  // decode: this chunk's lines `ahead` bytes on (into the next panel, the same thread's)
-      for (int64_t line = 0; line < cb; line += 64) prefetch_l2(chunk + ahead + line);
+    if (ahead > 0)
+      for (int64_t at = g * cb + ahead; at < (g + 1) * cb + ahead; at += 64)
+        prefetch_l2(panel + (at < A.ng * cb ? at : then + at - A.ng * cb));
     VecI8 acc[MR][2];
     for (int i = 0; i < MR; ++i) {
       // 8-bit codes: sum (u - 128) * qa, where dotu8 leaves kU8Bias * sum qa to take off
@@ -269,18 +272,24 @@ inline void qd_micro(const QdRows& A, int64_t r, const uint8_t* panel, float* ou
     for (int h = 0; h < NF; ++h) acc_f[i][h].store(out + i * kI8NR + h * VecF::N);
 }
 
-// Rows [r, r + mr) x panel p of C.
+// qd_micro for a run-time mr <= kQdMR.
+template <int T>
+inline void qd_micro_rows(const QdRows& A, int mr, int64_t r, const uint8_t* panel, float* out, int64_t ahead,
+                          int64_t then) {
+  switch (mr) {
+    case 4: return qd_micro<T, 4>(A, r, panel, out, ahead, then);
+    case 3: return qd_micro<T, 3>(A, r, panel, out, ahead, then);
+    case 2: return qd_micro<T, 2>(A, r, panel, out, ahead, then);
+    default: return qd_micro<T, 1>(A, r, panel, out, ahead, then);
+  }
+}
+
+// Rows [r, r + mr) x panel p of C (decode: the thread's next panel is p + 1).
 template <int T>
 inline void qd_tile(const QdRows& A, int mr, int64_t r, int64_t p, const uint8_t* w, int64_t ps, const float* bias,
                     float* c, int64_t n, int64_t ldc, int64_t ahead = 0) {
   alignas(64) float out[kQdMR * kI8NR];
-  const uint8_t* panel = w + p * ps;
-  switch (mr) {
-    case 4: qd_micro<T, 4>(A, r, panel, out, ahead); break;
-    case 3: qd_micro<T, 3>(A, r, panel, out, ahead); break;
-    case 2: qd_micro<T, 2>(A, r, panel, out, ahead); break;
-    default: qd_micro<T, 1>(A, r, panel, out, ahead); break;
-  }
+  qd_micro_rows<T>(A, mr, r, w + p * ps, out, ahead, ps);
   const int64_t c0 = p * kI8NR, cols = std::min<int64_t>(kI8NR, n - c0);
   for (int i = 0; i < mr; ++i) {
     float* cr = c + (r + i) * ldc + c0;
@@ -288,12 +297,9 @@ inline void qd_tile(const QdRows& A, int mr, int64_t r, int64_t p, const uint8_t
   }
 }
 
-template <int T>
-void qd_gemm_t(float* c, const float* a, const uint8_t* w, const float* bias, int64_t m, int64_t n, int64_t k,
-               int64_t lda, int64_t ldc) {
-  constexpr int G = qformat(T).group;
-  const int64_t ng = k / G, panels = i8_panels(n);
-  const int64_t ps = ng * qd_chunk_bytes(qformat(T));
+// A's m rows quantized per group of G (qd_quant_row) into the calling thread's buffers.
+inline QdRows qd_rows_of(const float* a, int64_t m, int64_t k, int64_t lda, int G) {
+  const int64_t ng = k / G;
   thread_local std::vector<int8_t> qbuf;
   thread_local std::vector<float> fbuf;
   thread_local std::vector<int32_t> ibuf;
@@ -306,7 +312,14 @@ void qd_gemm_t(float* c, const float* a, const uint8_t* w, const float* bias, in
   int32_t* si = ibuf.data();
 #pragma omp parallel for schedule(static) if (m > 8)
   for (int64_t r = 0; r < m; ++r) qd_quant_row(a + r * lda, k, G, q + r * k, sa + r * ng, sm + r * ng, si + r * ng);
-  const QdRows A{q, sa, sm, si, k, ng};
+  return QdRows{q, sa, sm, si, k, ng};
+}
+
+template <int T>
+void qd_gemm_t(float* c, const float* a, const uint8_t* w, const float* bias, int64_t m, int64_t n, int64_t k,
+               int64_t lda, int64_t ldc) {
+  const QdRows A = qd_rows_of(a, m, k, lda, qformat(T).group);
+  const int64_t panels = i8_panels(n), ps = A.ng * qd_chunk_bytes(qformat(T));
   if (m <= kQdMR) {  // decode: every row against each panel as it streams by
 #pragma omp parallel for schedule(static) if (n * k > 32768)
     for (int64_t p = 0; p < panels; ++p)

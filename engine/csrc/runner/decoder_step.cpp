@@ -52,7 +52,7 @@ void DecoderStack::layer(const DecoderLayerDesc& L, float* h, float* res, bool f
 }
 
 // act_ = silu(gate) * up of the merged gate_up projection of h: one fused pass over dense weights
-// and GGUF blocks on the float path (ops.linear_silu's rule, the same bits as the two kernels apart).
+// and GGUF blocks (ops.linear_silu's rule, the same bits as the two kernels apart).
 void DecoderStack::gated_mlp_input(const LinearDesc& gu, const float* h, int64_t T) {
   const int64_t H = hidden_;
   const int kind = gu.parts.size() == 1 && gu.bias == nullptr ? gu.parts[0].kind : -1;
@@ -62,6 +62,11 @@ void DecoderStack::gated_mlp_input(const LinearDesc& gu, const float* h, int64_t
   }
   if (kind >= 16 && kind < kInt8Kind) {
     t_->qgemm_silu(act_.data(), h, static_cast<const uint8_t*>(gu.parts[0].w), kind - 16, T, inter_, H, H, inter_);
+    return;
+  }
+  if (kind >= kQDotKind) {
+    t_->qdgemm_silu(act_.data(), h, static_cast<const uint8_t*>(gu.parts[0].w), kind - kQDotKind, T, inter_, H, H,
+                    inter_);
     return;
   }
   linear(gu, h, H, gate_up_.data(), 2 * inter_, T);

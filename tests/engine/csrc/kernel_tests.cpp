@@ -429,6 +429,33 @@ TEST(Quantized, GatedGemmEqualsQgemmThenSiluAndMulEveryTable) {
   }
 }
 
+// Every table: the gate/up GEMM on int8 dot products fused with SiLU-and-mul equals qdgemm() then
+// silu_and_mul() bit for bit (decode rows, batch rows, F a multiple of the panel width or not).
+TEST(QuantizedInt8Dot, GatedGemmEqualsQdgemmThenSiluAndMulEveryTable) {
+  std::vector<const KernelTable*> tables = vector_tables();
+  tables.push_back(table_scalar());
+  for (int t : {3, 8, 12, 14}) {
+    const int64_t k = qformat(t).block == 256 ? 512 : 96;
+    for (int64_t f : {64, 40}) {
+      const auto raw = random_gguf(t, 2 * f, k, 400 + t);
+      for (const KernelTable* tab : tables) {
+        std::vector<uint8_t> packed(tab->qdpacked_bytes(t, 2 * f, k));
+        tab->qdpack(packed.data(), raw.data(), t, 2 * f, k);
+        for (int64_t m : {1, 3, 4, 5, 9, 50}) {
+          auto a = randn(m * k, 40 + m);
+          if (m > 1) std::fill(a.begin(), a.begin() + k, 0.f);  // a row of zeros: zero sums, signed zeros
+          std::vector<float> proj(m * 2 * f), want(m * f), got(m * f);
+          tab->qdgemm(proj.data(), a.data(), packed.data(), t, nullptr, m, 2 * f, k, k, 2 * f);
+          tab->silu_and_mul(want.data(), proj.data(), m, f, 2 * f, f);
+          tab->qdgemm_silu(got.data(), a.data(), packed.data(), t, m, f, k, k, f);
+          ASSERT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * 4))
+              << tab->isa << " type " << t << " f " << f << " m " << m;
+        }
+      }
+    }
+  }
+}
+
 // The W8A8 product written out: per-token activation codes, exact integer sums, then floats.
 std::vector<float> w8a8_reference(const std::vector<float>& a, const std::vector<int8_t>& w,
                                   const std::vector<float>& sw, const std::vector<float>& bias, int64_t m, int64_t n,

@@ -132,8 +132,8 @@ def test_clear_errors():
 @pytest.mark.parametrize("qtype", TYPES)
 def test_quantized_gate_up_with_silu_equals_the_two_kernels(isa, qtype):
     """ops.linear_silu on a GGUF gate/up weight (F = 96: whole panels on every ISA; F = 40: not on
-    AVX-512): bit for bit qgemm then silu_and_mul, decode- and batch-shaped; on the int8-dot path
-    (not fused) the same rule holds."""
+    AVX-512), on the float path and on int8 dot products: bit for bit the GEMM then
+    silu_and_mul, decode- and batch-shaped."""
     k = _C.Kernels(isa)
     for f in (96, 40):
         qt = random_blocks(qtype, 2 * f, 512, seed=len(qtype) + f)

@@ -1,5 +1,6 @@
 """The decoder stack in one native call per step (native_step) equals the Python layers bit
-for bit: on the default model in its GGUF blocks, widened to bfloat16 with a float8 cache,
+for bit: on the default model in its GGUF blocks (float and int8 activations), widened to
+bfloat16 with a float8 cache,
 and on the Llama-family variants (GQA, sliding window, qkv bias, QK-norm), over prefill
 chunks and decode steps; tensor parallelism keeps the Python layers."""
 import pytest
@@ -30,8 +31,9 @@ def _both(llm, python_layers, ids):
     return out
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(quantization="none", dtype="bfloat16", kv_cache_dtype="fp8_e4m3",
-                                                 max_num_batched_tokens=32)], ids=["gguf-blocks", "bf16-fp8kv-chunks"])
+@pytest.mark.parametrize("kwargs", [dict(), dict(quantized_activations="int8"),
+                                    dict(quantization="none", dtype="bfloat16", kv_cache_dtype="fp8_e4m3",
+                                         max_num_batched_tokens=32)], ids=["gguf-blocks", "gguf-int8-dot", "bf16-fp8kv-chunks"])
 def test_default_model_native_equals_python_layers(python_layers, kwargs):
     llm = LLM(**{"block_size": 16, "kv_cache_space": 0.25, **kwargs})
     ids = llm.get_tokenizer().encode(PROMPTS[5] * 3)

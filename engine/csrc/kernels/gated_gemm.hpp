@@ -95,16 +95,22 @@ void gemm_silu_t(float* act, const TA* a, const T* w, int64_t m, int64_t f, int6
   }
 }
 
+// Where F is no multiple of the panel width: the [M, 2F] projection into a buffer by gemm(buffer),
+// then silu_and_mul.
+template <typename Gemm>
+void silu_after(float* act, int64_t m, int64_t f, int64_t ldo, Gemm&& gemm) {
+  static thread_local std::vector<float> proj;
+  proj.resize(static_cast<size_t>(m * 2 * f));
+  gemm(proj.data());
+  silu_and_mul_impl(act, proj.data(), m, f, 2 * f, ldo);
+}
+
 // act[M, F] = silu(A W[0:F]^T) * (A W[F:2F]^T) for a weight packed by pack_weight_impl as [2F, K].
-// F not a multiple of the panel width: the projection into a buffer, then silu_and_mul.
 void gemm_silu_impl(float* act, const float* a, const void* w, DType dt, int64_t m, int64_t f, int64_t k,
                     int64_t lda, int64_t ldo) {
-  if (f % kNR != 0) {
-    static thread_local std::vector<float> proj;
-    proj.resize(static_cast<size_t>(m * 2 * f));
-    gemm_impl(proj.data(), a, w, dt, nullptr, m, 2 * f, k, lda, 2 * f);
-    return silu_and_mul_impl(act, proj.data(), m, f, 2 * f, ldo);
-  }
+  if (f % kNR != 0)
+    return silu_after(act, m, f, ldo,
+                      [&](float* proj) { gemm_impl(proj, a, w, dt, nullptr, m, 2 * f, k, lda, 2 * f); });
 #ifdef __AVX512BF16__
   if (dt == DType::BF16) {
     const int64_t k2 = (k + 1) / 2;
@@ -200,12 +206,9 @@ void q_gated_t(float* act, const float* a, const uint8_t* w, int64_t m, int64_t 
 // gemm_silu_impl for a weight packed by qpack_impl (GGUF blocks, float activations).
 void qgemm_silu_impl(float* act, const float* a, const uint8_t* w, int t, int64_t m, int64_t f, int64_t k,
                      int64_t lda, int64_t ldo) {
-  if (f % kNR != 0) {
-    static thread_local std::vector<float> proj;
-    proj.resize(static_cast<size_t>(m * 2 * f));
-    qgemm_impl(proj.data(), a, w, t, nullptr, m, 2 * f, k, lda, 2 * f);
-    return silu_and_mul_impl(act, proj.data(), m, f, 2 * f, ldo);
-  }
+  if (f % kNR != 0)
+    return silu_after(act, m, f, ldo,
+                      [&](float* proj) { qgemm_impl(proj, a, w, t, nullptr, m, 2 * f, k, lda, 2 * f); });
 #define CPUSERVE_QGATED(T) q_gated_t<T>(act, a, w, m, f, k, lda, ldo)
   CPUSERVE_QTYPE_SWITCH(t, CPUSERVE_QGATED)
 #undef CPUSERVE_QGATED
@@ -236,7 +239,8 @@ void qd_gated_t(float* act, const float* a, const uint8_t* w, int64_t m, int64_t
   const int64_t pairs = f / kI8NR, ps = A.ng * qd_chunk_bytes(qformat(T));
   if (m <= kQdMR) {  // decode, as qd_gemm_t's
 #pragma omp parallel for schedule(static) if (2 * f * k > 32768)
-    for (int64_t j = 0; j < pairs; ++j) qd_gated_tile<T>(A, static_cast<int>(m), 0, j, w, ps, pairs, act, ldo, kQdAhead);
+    for (int64_t j = 0; j < pairs; ++j)
+      qd_gated_tile<T>(A, static_cast<int>(m), 0, j, w, ps, pairs, act, ldo, kQdAhead);
     return;
   }
   i8_schedule<kQdMR>(m, pairs, w, ps, [&](int mr, int64_t r, int64_t j) {
@@ -248,12 +252,9 @@ void qd_gated_t(float* act, const float* a, const uint8_t* w, int64_t m, int64_t
 void qdgemm_silu_impl(float* act, const float* a, const uint8_t* w, int t, int64_t m, int64_t f, int64_t k,
                       int64_t lda, int64_t ldo) {
   if (!qd_supported(t)) return;
-  if (f % kI8NR != 0) {
-    static thread_local std::vector<float> proj;
-    proj.resize(static_cast<size_t>(m * 2 * f));
-    qdgemm_impl(proj.data(), a, w, t, nullptr, m, 2 * f, k, lda, 2 * f);
-    return silu_and_mul_impl(act, proj.data(), m, f, 2 * f, ldo);
-  }
+  if (f % kI8NR != 0)
+    return silu_after(act, m, f, ldo,
+                      [&](float* proj) { qdgemm_impl(proj, a, w, t, nullptr, m, 2 * f, k, lda, 2 * f); });
   switch (static_cast<QType>(t)) {
     case QType::Q4_0: return qd_gated_t<int(QType::Q4_0)>(act, a, w, m, f, k, lda, ldo);
     case QType::Q4_1: return qd_gated_t<int(QType::Q4_1)>(act, a, w, m, f, k, lda, ldo);

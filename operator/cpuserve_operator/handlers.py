@@ -29,6 +29,10 @@ def configure(settings: kopf.OperatorSettings, **_):
     settings.persistence.finalizer = "cpuserve.dev/kopf-finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="cpuserve.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="cpuserve.dev")
+    # a server deleted while its resync timer is mid-pass: kopf sees the timer still running and,
+    # by default, looks again (and lifts the finalizer) only 60 s later; a pass takes well under
+    # a second, so look every second
+    settings.background.cancellation_polling = 1.0
 
 
 @kopf.on.create(b.GROUP, b.VERSION, b.PLURAL)

@@ -170,6 +170,20 @@ def test_lifecycle(cluster, operator):
     wait_for(pods_gone, 60, "pods GC")
 
 
+def test_a_deleted_server_waits_at_most_a_second_for_a_resync_pass(monkeypatch):
+    """kopf puts a finalizer on a server for its resync timer; a deletion that meets the timer
+    mid-pass is looked at again after `cancellation_polling` (kopf's default: 60 s, which once
+    kept a deleted server for a minute). The operator's own settings, as it starts."""
+    import kopf
+    from cpuserve_operator import handlers
+
+    monkeypatch.setattr(handlers.config, "load_incluster_config", lambda: None)
+    settings = kopf.OperatorSettings()
+    handlers.configure(settings=settings)
+    assert settings.background.cancellation_polling <= 1.0
+    assert settings.persistence.finalizer == "cpuserve.dev/kopf-finalizer"
+
+
 def test_generated_objects_pass_server_side_validation(cluster):
     """Every builder's output, strictly validated by the API server (dry run)."""
     from cpuserve_operator import builders as b

@@ -53,9 +53,21 @@ void DecoderStack::layer(const DecoderLayerDesc& L, float* h, float* res, bool f
 
 // act_ = silu(gate) * up of the merged gate_up projection of h: one fused pass over dense weights
 // and GGUF blocks (ops.linear_silu's rule, the same bits as the two kernels apart).
+// The weight kind of a gate_up projection with one part and no bias, else -1.
+static int gate_up_kind(const LinearDesc& gu) {
+  return gu.parts.size() == 1 && gu.bias == nullptr ? gu.parts[0].kind : -1;
+}
+
+// Whether a fused kernel applies SiLU-and-mul to it (dense, GGUF float, GGUF int8-dot); the others
+// (W8A8, several parts, a bias) go through gate_up_ and silu_and_mul.
+static bool fused_gate_up(const LinearDesc& gu) {
+  const int kind = gate_up_kind(gu);
+  return kind >= 0 && (kind < kInt8Kind || kind >= kQDotKind);
+}
+
 void DecoderStack::gated_mlp_input(const LinearDesc& gu, const float* h, int64_t T) {
   const int64_t H = hidden_;
-  const int kind = gu.parts.size() == 1 && gu.bias == nullptr ? gu.parts[0].kind : -1;
+  const int kind = gate_up_kind(gu);
   if (kind >= 0 && kind < 16) {
     t_->gemm_silu(act_.data(), h, gu.parts[0].w, static_cast<DType>(kind), T, inter_, H, H, inter_);
     return;
@@ -75,14 +87,16 @@ void DecoderStack::gated_mlp_input(const LinearDesc& gu, const float* h, int64_t
 
 void DecoderStack::run(float* h, float* residual, bool residual_valid, const StepMeta& m) {
   int64_t qkv_w = 0, q_w = 0;
+  bool unfused = false;  // a layer whose gate/up goes through gate_up_ (most models: none)
   for (const DecoderLayerDesc& L : layers_) {
     qkv_w = std::max(qkv_w, (L.hq + 2 * L.hk) * L.d);
     q_w = std::max(q_w, L.hq * L.d);
+    unfused |= !fused_gate_up(L.gate_up);
   }
   const size_t T = static_cast<size_t>(m.tokens);
   if (qkv_.size() < T * qkv_w) qkv_.resize(T * qkv_w);
   if (attn_.size() < T * q_w) attn_.resize(T * q_w);
-  if (gate_up_.size() < T * 2 * inter_) gate_up_.resize(T * 2 * inter_);
+  if (unfused && gate_up_.size() < T * 2 * inter_) gate_up_.resize(T * 2 * inter_);
   if (act_.size() < T * inter_) act_.resize(T * inter_);
   bool first = !residual_valid;
   for (const DecoderLayerDesc& L : layers_) {

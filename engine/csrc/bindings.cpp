@@ -257,6 +257,10 @@ PYBIND11_MODULE(_C, m) {
              k.t->i8gemm(ptr<float>(c), ptr<const float>(a), ptr<const uint8_t>(w),
                          bias ? ptr<const float>(bias) : nullptr, m, n, kk, lda, ldc, act_asym);
            }, G())
+      .def("i8gemm_silu", [](const Kernels& k, uintptr_t act, uintptr_t a, uintptr_t w, int64_t m, int64_t f,
+                             int64_t kk, int64_t lda, int64_t ldo, bool act_asym) {
+             k.t->i8gemm_silu(ptr<float>(act), ptr<const float>(a), ptr<const uint8_t>(w), m, f, kk, lda, ldo, act_asym);
+           }, G())
       .def("qdpacked_bytes", [](const Kernels& k, int qt, int64_t n, int64_t kk) {
              qformat_checked(qt, kk);
              return k.t->qdpacked_bytes(qt, n, kk);

@@ -44,6 +44,7 @@ const KernelTable* CPUSERVE_TABLE_FN() {
       &i8packed_bytes_impl,
       &i8pack_impl,
       &i8gemm_impl,
+      &i8gemm_silu_impl,
       &qdpacked_bytes_impl,
       &qdpack_impl,
       &qdgemm_impl,

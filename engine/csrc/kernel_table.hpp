@@ -79,6 +79,9 @@ struct KernelTable {
   void (*i8pack)(uint8_t* dst, const int8_t* w, const float* scale, int64_t n, int64_t k);
   void (*i8gemm)(float* c, const float* a, const uint8_t* w, const float* bias, int64_t m, int64_t n, int64_t k,
                  int64_t lda, int64_t ldc, bool act_asym);
+  // As gemm_silu, on an i8packed [2F, K] weight: bit for bit i8gemm() then silu_and_mul().
+  void (*i8gemm_silu)(float* act, const float* a, const uint8_t* w, int64_t m, int64_t f, int64_t k, int64_t lda,
+                      int64_t ldo, bool act_asym);
   // GGUF blocks on int8 dot products (kernels/qdot.hpp): each weight's code and its group's scale
   // and offset, activations quantized to int8 per group (the types of at most 6-bit codes;
   // qdpacked_bytes is -1 for the others). Exact integer sums: every table gives the same bits.

@@ -361,9 +361,9 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, out: torch.Tens
 def linear_silu(x: torch.Tensor, w, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
                 k=KERNELS) -> torch.Tensor:
     """silu(x @ Wg^T) * (x @ Wu^T) -> [M, F] for a gate/up weight W = [Wg; Wu] ([2F, K], from
-    pack()): on dense weights and GGUF blocks one fused pass (kernels/gated_gemm.hpp), else
-    (a bias, parts of different storage, W8A8) linear() then silu_and_mul(); the same bits either way."""
-    if bias is not None or is_stacked(w) or is_int8(w):
+    pack()): on dense, GGUF and W8A8 weights one fused pass (kernels/gated_gemm.hpp), else (a
+    bias, parts of different storage) linear() then silu_and_mul(); the same bits either way."""
+    if bias is not None or is_stacked(w):
         act = silu_and_mul(linear(x, w, bias, k=k), k=k)
         return act if out is None else out.copy_(act)
     _f32(x, "x")
@@ -375,7 +375,10 @@ def linear_silu(x: torch.Tensor, w, bias: torch.Tensor | None = None, out: torch
     out = torch.empty((x.shape[0], f), dtype=torch.float32) if out is None else out
     if out.shape != (x.shape[0], f) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"linear_silu: out must be float32 [{x.shape[0]}, {f}] with unit column stride")
-    if is_quantized(w):
+    if is_int8(w):
+        k.i8gemm_silu(out.data_ptr(), x.data_ptr(), w.data.data_ptr(), x.shape[0], f, w.k, x.stride(0), out.stride(0),
+                      w.act_asym)
+    elif is_quantized(w):
         run = k.qdgemm_silu if w.int8_dot else k.qgemm_silu
         run(out.data_ptr(), x.data_ptr(), w.data.data_ptr(), w.qtype, x.shape[0], f, w.k, x.stride(0), out.stride(0))
     else:

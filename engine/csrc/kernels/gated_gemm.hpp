@@ -1,20 +1,22 @@
 // The gated MLP's first half in one pass: act[M, F] = silu(A @ Wg^T) * (A @ Wu^T), where the
 // gate and up projections are one packed [2F, K] weight (gate rows first, as the model's merged
 // gate_up), dense (gemm.hpp), GGUF blocks on the float path (quant.hpp) or on int8 dot products
-// (qdot.hpp). Each thread takes
+// (qdot.hpp), or W8A8 (int8.hpp). Each thread takes
 // gate panel j and up panel j together (F a multiple of the panel width) and applies SiLU-and-mul
 // to the pair's outputs while they are still in its L1 / L2, instead of writing the [M, 2F]
 // projection out and reading it back in a second parallel pass.
 //
-// The same bits as gemm() (qgemm(), qdgemm()) followed by silu_and_mul(): every projection element is the
-// GEMM's one fused multiply-add chain over k (continued across K blocks through the scratch), and
-// silu_mul_row treats each element on its own.
+// The same bits as gemm() (qgemm(), qdgemm(), i8gemm()) followed by silu_and_mul(): every
+// projection element is the GEMM's one fused multiply-add chain over k (continued across K blocks
+// through the scratch) or its exact integer sum and float epilogue, and silu_mul_row treats each
+// element on its own.
 #pragma once
 #include <algorithm>
 #include <vector>
 #include <omp.h>
 #include "activation.hpp"
 #include "gemm.hpp"
+#include "int8.hpp"
 #include "qdot.hpp"
 #include "quant.hpp"
 
@@ -212,6 +214,51 @@ void qgemm_silu_impl(float* act, const float* a, const uint8_t* w, int t, int64_
 #define CPUSERVE_QGATED(T) q_gated_t<T>(act, a, w, m, f, k, lda, ldo)
   CPUSERVE_QTYPE_SWITCH(t, CPUSERVE_QGATED)
 #undef CPUSERVE_QGATED
+}
+
+// W8A8 (int8.hpp): gate panel j and up panel j of rows [r, r + mr), then SiLU-and-mul. Up to 2
+// rows (decode) take both panels in one micro-kernel pass (panels `pairs` apart); the integer
+// sums are exact and the float epilogue is i8gemm's, so the bits are i8gemm's then silu_and_mul's.
+inline void i8_gated_tile(const I8Rows& A, const I8Packed& W, int mr, int64_t r, int64_t j, int64_t pairs, float* act,
+                          int64_t ldo) {
+  alignas(64) int32_t acc[kI8MR * 2 * kI8NR];
+  alignas(64) float g[kI8MR * kI8NR], u[kI8MR * kI8NR];
+  const int64_t ps = A.kp * kI8NR;
+  int32_t *ga = acc, *ua = acc + kI8NR;  // [row][gate | up] when both panels ran in one pass
+  int64_t row_stride = 2 * kI8NR;
+  if (mr <= 2) {
+    i8_sums(A, mr, 2, r, W.q + j * ps, pairs * ps, acc);
+  } else {  // [gate rows][up rows]
+    i8_sums(A, mr, 1, r, W.q + j * ps, ps, acc);
+    i8_sums(A, mr, 1, r, W.q + (j + pairs) * ps, ps, acc + kI8MR * kI8NR);
+    ua = acc + kI8MR * kI8NR;
+    row_stride = kI8NR;
+  }
+  const int64_t c0 = j * kI8NR, u0 = (j + pairs) * kI8NR;
+  for (int i = 0; i < mr; ++i) {
+    i8_out_row(A, r + i, ga + i * row_stride, W.sums, W.scales, nullptr, c0, c0 + kI8NR, g + i * kI8NR);
+    i8_out_row(A, r + i, ua + i * row_stride, W.sums, W.scales, nullptr, u0, u0 + kI8NR, u + i * kI8NR);
+    silu_mul_row(act + (r + i) * ldo + c0, g + i * kI8NR, u + i * kI8NR, kI8NR);
+  }
+}
+
+// gemm_silu_impl for a weight packed by i8pack_impl (W8A8, activations quantized per token).
+void i8gemm_silu_impl(float* act, const float* a, const uint8_t* w, int64_t m, int64_t f, int64_t k, int64_t lda,
+                      int64_t ldo, bool asym) {
+  if (f % kI8NR != 0)
+    return silu_after(act, m, f, ldo,
+                      [&](float* proj) { i8gemm_impl(proj, a, w, nullptr, m, 2 * f, k, lda, 2 * f, asym); });
+  const I8Rows A = i8_rows_of(a, m, k, lda, asym);
+  const I8Packed W(w, 2 * f, k);
+  const int64_t pairs = f / kI8NR;
+  if (m <= 2) {  // decode, as i8gemm's
+#pragma omp parallel for schedule(static) if (2 * f * k > 32768)
+    for (int64_t j = 0; j < pairs; ++j) i8_gated_tile(A, W, static_cast<int>(m), 0, j, pairs, act, ldo);
+    return;
+  }
+  i8_schedule<kI8MR>(m, pairs, W.q, A.kp * kI8NR, [&](int mr, int64_t r, int64_t j) {
+    i8_gated_tile(A, W, mr, r, j, pairs, act, ldo);
+  });
 }
 
 // GGUF blocks on int8 dot products (qdot.hpp): gate panel j and up panel j of rows [r, r + mr),

@@ -110,35 +110,44 @@ struct I8Rows {  // quantized activations
   int64_t kp;
 };
 
+// The integer sums of rows [r, r + mr) x panels [p, p + np), panels `panel_stride` int8 apart,
+// into acc[i][np * kI8NR] (np: 1, 2 (one or two rows) or 4 (one row)).
+inline void i8_sums(const I8Rows& A, int mr, int np, int64_t r, const int8_t* wp, int64_t panel_stride,
+                    int32_t* acc) {
+  const int8_t* qa = A.q + r * A.kp;
+  if (np == 4) return i8_micro<1, 4>(qa, A.kp, wp, panel_stride, acc);
+  if (np == 2) return mr == 1 ? i8_micro<1, 2>(qa, A.kp, wp, panel_stride, acc)
+                              : i8_micro<2, 2>(qa, A.kp, wp, panel_stride, acc);
+  switch (mr) {
+    case 4: return i8_micro<4, 1>(qa, A.kp, wp, panel_stride, acc);
+    case 3: return i8_micro<3, 1>(qa, A.kp, wp, panel_stride, acc);
+    case 2: return i8_micro<2, 1>(qa, A.kp, wp, panel_stride, acc);
+    default: return i8_micro<1, 1>(qa, A.kp, wp, panel_stride, acc);
+  }
+}
+
+// Row `row`'s outputs of columns [c0, c1) from its integer sums acc[col - c0] to float, into out[col - c0].
+inline void i8_out_row(const I8Rows& A, int64_t row, const int32_t* acc, const int32_t* sums, const float* scales,
+                       const float* bias, int64_t c0, int64_t c1, float* out) {
+  const int32_t comp = VecI8::kOffset + A.z[row];
+  const float sa = A.s[row];
+  for (int64_t col = c0; col < c1; ++col) {
+    const int32_t v = acc[col - c0] - comp * sums[col];
+    float o = static_cast<float>(v) * (sa * scales[col]);
+    if (bias != nullptr) o += bias[col];
+    out[col - c0] = o;
+  }
+}
+
 // Rows [r, r + mr) x panels [p, p + np) of C, from the integer sums to float.
 inline void i8_tile(const I8Rows& A, int mr, int np, int64_t r, int64_t p, const int8_t* w, const int32_t* sums,
                     const float* scales, const float* bias, float* c, int64_t n, int64_t ldc) {
   alignas(64) int32_t acc[kI8MR * 4 * kI8NR];
   const int64_t ps = A.kp * kI8NR;
-  const int8_t* qa = A.q + r * A.kp;
-  const int8_t* wp = w + p * ps;
-  if (np == 4) {
-    i8_micro<1, 4>(qa, A.kp, wp, ps, acc);
-  } else {
-    switch (mr) {
-      case 4: i8_micro<4, 1>(qa, A.kp, wp, ps, acc); break;
-      case 3: i8_micro<3, 1>(qa, A.kp, wp, ps, acc); break;
-      case 2: i8_micro<2, 1>(qa, A.kp, wp, ps, acc); break;
-      default: i8_micro<1, 1>(qa, A.kp, wp, ps, acc); break;
-    }
-  }
-  for (int i = 0; i < mr; ++i) {
-    const int32_t comp = VecI8::kOffset + A.z[r + i];
-    const float sa = A.s[r + i];
-    float* cr = c + (r + i) * ldc;
-    const int64_t c0 = p * kI8NR, c1 = std::min(n, (p + np) * kI8NR);
-    for (int64_t col = c0; col < c1; ++col) {
-      const int32_t v = acc[i * np * kI8NR + (col - c0)] - comp * sums[col];
-      float o = static_cast<float>(v) * (sa * scales[col]);
-      if (bias != nullptr) o += bias[col];
-      cr[col] = o;
-    }
-  }
+  i8_sums(A, mr, np, r, w + p * ps, ps, acc);
+  const int64_t c0 = p * kI8NR, c1 = std::min(n, (p + np) * kI8NR);
+  for (int i = 0; i < mr; ++i)
+    i8_out_row(A, r + i, acc + i * np * kI8NR, sums, scales, bias, c0, c1, c + (r + i) * ldc + c0);
 }
 
 // The int8 GEMMs' batch schedule. Work items: a block of up to 256 rows (its codes stay in L2)
@@ -165,9 +174,9 @@ inline void i8_schedule(int64_t m, int64_t panels, const void* w, int64_t panel_
       }
 }
 
-void i8gemm_impl(float* c, const float* a, const uint8_t* w, const float* bias, int64_t m, int64_t n, int64_t k,
-                 int64_t lda, int64_t ldc, bool asym) {
-  const int64_t kp = i8_kpad(k), panels = i8_panels(n);
+// The rows of A quantized per token into the calling thread's buffers (valid until its next call).
+inline I8Rows i8_rows_of(const float* a, int64_t m, int64_t k, int64_t lda, bool asym) {
+  const int64_t kp = i8_kpad(k);
   thread_local std::vector<int8_t> qbuf;
   thread_local std::vector<float> sbuf;
   thread_local std::vector<int32_t> zbuf;
@@ -179,10 +188,28 @@ void i8gemm_impl(float* c, const float* a, const uint8_t* w, const float* bias, 
   int32_t* z = zbuf.data();
 #pragma omp parallel for schedule(static) if (m > 8)
   for (int64_t r = 0; r < m; ++r) i8_quant_row(a + r * lda, k, kp, q + r * kp, s[r], z[r], asym);
-  const I8Rows A{q, s, z, kp};
-  const int8_t* wq = reinterpret_cast<const int8_t*>(w);
-  const int32_t* sums = reinterpret_cast<const int32_t*>(w + panels * kI8NR * kp);
-  const float* scales = reinterpret_cast<const float*>(w + panels * kI8NR * (kp + sizeof(int32_t)));
+  return I8Rows{q, s, z, kp};
+}
+
+// A packed weight's parts (i8pack_impl's layout).
+struct I8Packed {
+  const int8_t* q;
+  const int32_t* sums;
+  const float* scales;
+  I8Packed(const uint8_t* w, int64_t n, int64_t k)
+      : q(reinterpret_cast<const int8_t*>(w)),
+        sums(reinterpret_cast<const int32_t*>(w + i8_panels(n) * kI8NR * i8_kpad(k))),
+        scales(reinterpret_cast<const float*>(w + i8_panels(n) * kI8NR * (i8_kpad(k) + sizeof(int32_t)))) {}
+};
+
+void i8gemm_impl(float* c, const float* a, const uint8_t* w, const float* bias, int64_t m, int64_t n, int64_t k,
+                 int64_t lda, int64_t ldc, bool asym) {
+  const int64_t kp = i8_kpad(k), panels = i8_panels(n);
+  const I8Rows A = i8_rows_of(a, m, k, lda, asym);
+  const I8Packed W(w, n, k);
+  const int8_t* wq = W.q;
+  const int32_t* sums = W.sums;
+  const float* scales = W.scales;
   if (m <= 2) {  // decode: 4 panels at once for enough independent loads in flight
     const int64_t groups = (panels + 3) / 4;
 #pragma omp parallel for schedule(static) if (n * k > 32768)

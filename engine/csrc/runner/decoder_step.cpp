@@ -51,25 +51,27 @@ void DecoderStack::layer(const DecoderLayerDesc& L, float* h, float* res, bool f
   linear(L.down, act_.data(), inter_, h, H, T);
 }
 
-// act_ = silu(gate) * up of the merged gate_up projection of h: one fused pass over dense weights
-// and GGUF blocks (ops.linear_silu's rule, the same bits as the two kernels apart).
 // The weight kind of a gate_up projection with one part and no bias, else -1.
 static int gate_up_kind(const LinearDesc& gu) {
   return gu.parts.size() == 1 && gu.bias == nullptr ? gu.parts[0].kind : -1;
 }
 
-// Whether a fused kernel applies SiLU-and-mul to it (dense, GGUF float, GGUF int8-dot); the others
-// (W8A8, several parts, a bias) go through gate_up_ and silu_and_mul.
-static bool fused_gate_up(const LinearDesc& gu) {
-  const int kind = gate_up_kind(gu);
-  return kind >= 0 && (kind < kInt8Kind || kind >= kQDotKind);
-}
+// Whether a fused kernel applies SiLU-and-mul to it (every kind of weight); the others (several
+// parts, a bias) go through gate_up_ and silu_and_mul.
+static bool fused_gate_up(const LinearDesc& gu) { return gate_up_kind(gu) >= 0; }
 
+// act_ = silu(gate) * up of the merged gate_up projection of h: one fused pass over dense,
+// GGUF and W8A8 weights (ops.linear_silu's rule, the same bits as the two kernels apart).
 void DecoderStack::gated_mlp_input(const LinearDesc& gu, const float* h, int64_t T) {
   const int64_t H = hidden_;
   const int kind = gate_up_kind(gu);
   if (kind >= 0 && kind < 16) {
     t_->gemm_silu(act_.data(), h, gu.parts[0].w, static_cast<DType>(kind), T, inter_, H, H, inter_);
+    return;
+  }
+  if (kind >= kInt8Kind && kind < kQDotKind) {
+    t_->i8gemm_silu(act_.data(), h, static_cast<const uint8_t*>(gu.parts[0].w), T, inter_, H, H, inter_,
+                    kind == kInt8Kind + 1);
     return;
   }
   if (kind >= 16 && kind < kInt8Kind) {

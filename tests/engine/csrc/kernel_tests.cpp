@@ -511,6 +511,37 @@ TEST(Int8, W8A8GemmEqualsReferenceEveryTable) {
     }
 }
 
+// The fused W8A8 gate/up (i8gemm_silu) is i8gemm then silu_and_mul, bit for bit, on every table,
+// for both activation modes, decode and batch row counts (the one-pass pair and the two-pass
+// tiles), F a multiple of the panel width and not (the projection-buffer fallback), a zero row.
+TEST(Int8, GatedGemmEqualsI8gemmThenSiluAndMulEveryTable) {
+  std::vector<const KernelTable*> tables = vector_tables();
+  tables.push_back(table_scalar());
+  const int64_t k = 97;
+  for (int64_t f : {128, 70}) {
+    std::mt19937 g(7 + f);
+    std::vector<int8_t> w(2 * f * k);
+    for (auto& v : w) v = int8_t(int(g() % 256) - 128);
+    auto sw = randn(2 * f, 13, 0.01f);
+    for (auto& v : sw) v = std::fabs(v) + 1e-4f;
+    for (const KernelTable* tab : tables) {
+      std::vector<uint8_t> packed(tab->i8packed_bytes(2 * f, k));
+      tab->i8pack(packed.data(), w.data(), sw.data(), 2 * f, k);
+      for (bool asym : {false, true})
+        for (int64_t m : {1, 2, 3, 4, 5, 9, 50, 300}) {
+          auto a = randn(m * k, 60 + m);
+          if (m > 1) std::fill(a.begin(), a.begin() + k, 0.f);
+          std::vector<float> proj(m * 2 * f), want(m * f), got(m * f);
+          tab->i8gemm(proj.data(), a.data(), packed.data(), nullptr, m, 2 * f, k, k, 2 * f, asym);
+          tab->silu_and_mul(want.data(), proj.data(), m, f, 2 * f, f);
+          tab->i8gemm_silu(got.data(), a.data(), packed.data(), m, f, k, k, f, asym);
+          ASSERT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * 4))
+              << tab->isa << " f " << f << " m " << m << " asym " << asym;
+        }
+    }
+  }
+}
+
 // The int8-dot GGUF GEMM written out in double: activations quantized per group of G, then
 // sum_g sa * sum_k qa * W with W the float path's dequantized weight (qrows).
 void qdot_reference(const std::vector<float>& a, const std::vector<float>& w, int64_t m, int64_t n, int64_t k, int G,

@@ -37,6 +37,27 @@ def test_w8a8_linear_equals_reference(isa, asym):
         assert torch.equal(got[-1:], ops.linear(x[-1:].clone(), w, bias, k=k))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("asym", [False, True], ids=["symmetric", "zero-point"])
+@pytest.mark.parametrize("f", [1536, 96, 40], ids=["smollm2", "f96", "not-a-panel-multiple"])
+def test_w8a8_gate_up_with_silu_equals_the_reference(isa, asym, f):
+    """The fused W8A8 gate/up with SiLU-and-mul (gated_gemm.hpp): bit for bit the two kernels
+    apart (which the engine ran before), and torch's reference within the vector exp's rounding,
+    at decode and batch row counts."""
+    k = _C.Kernels(isa)
+    kdim = 97
+    wt = random_int8(2 * f, kdim, seed=f, asym=asym)
+    w = ops.Int8Weight(wt, k=k)
+    for m in (1, 2, 3, 5, 64):
+        x = torch.randn(m, kdim) * 3 + (0.5 if asym else 0.0)
+        if m > 2:
+            x[1] = 0.0
+        got = ops.linear_silu(x, w, k=k)
+        assert torch.equal(got, ops.silu_and_mul(ops.linear(x, w, k=k), k=k)), (isa, m)
+        want = ops_ref.silu_and_mul(ops_ref.w8a8_linear(x, wt.data, wt.scale, None, asym))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_reference_is_close_to_the_float_product():
     """What quantizing the activations costs, on a random layer: about 1% of the output's scale."""
     wt = random_int8(64, 512, seed=4)

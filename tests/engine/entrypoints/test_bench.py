@@ -22,3 +22,16 @@ def test_profile_of_a_decode_step(llm_f32):
     assert all(v >= 0 for v in prof.values()) and prof["GEMM"] > prof["sampler"]
     assert ops.linear is linear  # the timers are gone
     assert not llm_f32.engine.core.has_unfinished()
+
+
+def test_the_fused_gate_up_counts_as_gemm():
+    """The gate/up projection with its SiLU-and-mul in one kernel (ops.linear_silu) is GEMM time,
+    not 'Python and scheduling'."""
+    import torch
+    from cpuserve.model_executor import ops
+    linear_silu = ops.linear_silu
+    w = ops.PackedWeight(torch.randn(256, 64))
+    with bench.StepProfile() as prof:
+        ops.linear_silu(torch.randn(4, 64), w)
+    assert prof.spent["GEMM"] > 0 and set(prof.spent) == {"GEMM"}
+    assert ops.linear_silu is linear_silu

@@ -187,6 +187,7 @@ class Cluster:
         self.made_kubelet_root = False
         self.started_proxy = False
         self.made_cni_dir = False
+        self.preexisting: set[str] = set()
 
     # -- start -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -213,6 +214,7 @@ class Cluster:
                                *self.images] if not p.exists()]
         if missing:
             raise RuntimeError(f"missing {', '.join(map(str, missing))}: run `make e2e` (it builds them)")
+        self.preexisting = self.our_processes()
         self.made_kubelet_root = not KUBELET_ROOT.exists()
         self.had_netns_mount = self.mounted("/run/netns")
         self.made_cni_dir = not Path("/var/lib/cni").exists()
@@ -321,7 +323,7 @@ class Cluster:
     def leftovers(self) -> list[str]:
         """What a finished teardown must not leave: our processes, mounts, cgroups, chains, links."""
         out = []
-        procs = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and self._ours(p)]
+        procs = self.stray_processes()
         if procs:
             out.append(f"processes {procs}")
         roots = (str(KUBELET_ROOT), str(self.ctrd_sock.parent), str(CACHE / "containerd"))
@@ -336,6 +338,15 @@ class Cluster:
         if run("ip", "link", "show", BRIDGE, check=False).returncode == 0:
             out.append(f"link {BRIDGE}")
         return out
+
+    def our_processes(self) -> set[str]:
+        """Pids of the binaries this cluster runs (from its node and control-plane directories)."""
+        return {p.name for p in Path("/proc").iterdir() if p.name.isdigit() and self._ours(p)}
+
+    def stray_processes(self) -> list[str]:
+        """Our binaries still running, but for those that ran before start() (another run's, say
+        an envtest control plane whose test was killed): not this cluster's to stop."""
+        return sorted(self.our_processes() - self.preexisting, key=int)
 
     def _ours(self, proc: Path, *prefixes: str) -> bool:
         try:

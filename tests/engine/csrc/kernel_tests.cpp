@@ -193,9 +193,10 @@ void check_gemm(const KernelTable* v, DType dt, int64_t m, int64_t n, int64_t k)
 }
 
 TEST_P(VectorVsScalar, GemmAllDtypes) {
-  // 1-8 rows: one pass over the weights (gemm.hpp kPassRows); more: row tiles
-  const std::vector<std::array<int64_t, 3>> shapes{{1, 96, 64}, {3, 96, 64}, {7, 70, 33}, {8, 200, 576},
-                                                   {13, 70, 33}, {50, 130, 400}, {300, 70, 40}};
+  // 1-8 rows: one pass over the weights (gemm.hpp kPassRows); more: row tiles (two of up to 8
+  // rows for 9-16, tile_rows)
+  const std::vector<std::array<int64_t, 3>> shapes{{1, 96, 64},    {3, 96, 64},    {7, 70, 33},  {8, 200, 576},
+                                                   {13, 70, 33},   {16, 96, 576},  {50, 130, 400}, {300, 70, 40}};
   for (auto shape : shapes) {
     check_gemm<float>(GetParam(), DType::F32, shape[0], shape[1], shape[2]);
     check_gemm<bf16>(GetParam(), DType::BF16, shape[0], shape[1], shape[2]);
@@ -211,7 +212,7 @@ TEST_P(VectorVsScalar, GemmAllDtypes) {
 template <typename T>
 void check_gemm_silu(const KernelTable* tab, DType dt) {
   for (auto [m, f, k] : std::vector<std::array<int64_t, 3>>{{1, 128, 64}, {2, 64, 33}, {8, 96, 576}, {9, 32, 4200},
-                                                            {50, 160, 40}, {300, 64, 70}, {3, 40, 17}}) {
+                                                            {16, 64, 576}, {50, 160, 40}, {300, 64, 70}, {3, 40, 17}}) {
     auto a = randn(m * k, 21);
     auto w = convert<T>(randn(2 * f * k, 22, 0.1f));
     std::vector<T> packed(((2 * f + tab->gemm_nr - 1) / tab->gemm_nr) * tab->gemm_nr * (k + k % 2));

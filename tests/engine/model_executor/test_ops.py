@@ -277,7 +277,7 @@ def test_paged_attention_decode_heads_split_or_whole(kern, dtype):
 # 1-8 rows run in one pass over the weights (gemm.hpp kPassRows); K = 4,200: K blocks (gemm.hpp
 # k_block) where the L2 is at most 2 MiB (float32), 1 MiB (bfloat16)
 @pytest.mark.parametrize("m,n,k", [(1, 576, 576), (7, 100, 33), (8, 200, 576), (64, 192, 576), (50, 49, 1536), (3, 1, 5),
-                                   (300, 70, 40), (9, 40, 4200), (8, 40, 4200)])
+                                   (300, 70, 40), (9, 40, 4200), (8, 40, 4200), (16, 100, 576), (13, 64, 96)])
 def test_gemm(kern, dtype, m, n, k):
     torch.manual_seed(m + n + k)
     x, w, b = torch.randn(m, k), torch.randn(n, k).to(dtype), torch.randn(n)
@@ -292,7 +292,8 @@ def test_gemm_rows_independent_of_batch(kern):
     full = ops.linear(x, w, k=kern)  # 300 rows: more than one row tile on any L2 (gemm.hpp row_tiles)
     for i in (0, 5, 66, 299):
         assert torch.equal(ops.linear(x[i:i + 1], w, k=kern), full[i:i + 1])
-    for lo, hi in ((10, 23), (3, 10), (40, 48), (0, 67), (20, 290)):  # 7 and 8 rows: one pass (gemm.hpp kPassRows)
+    # 7 and 8 rows: one pass (gemm.hpp kPassRows); 13 and 16: two row tiles of up to 8 (tile_rows)
+    for lo, hi in ((10, 23), (3, 10), (40, 48), (0, 67), (20, 290), (100, 116)):
         assert torch.equal(ops.linear(x[lo:hi], w, k=kern), full[lo:hi])
 
 
@@ -300,7 +301,7 @@ def test_gemm_rows_independent_of_batch(kern):
 # F: multiples of every ISA's panel width (fused, gated_gemm.hpp) and not (projection, then
 # silu_and_mul); rows as in test_gemm: one pass (<= 8), row tiles, K blocks (k = 4,200)
 @pytest.mark.parametrize("m,f,k", [(1, 1536, 576), (2, 96, 64), (5, 192, 33), (8, 160, 576), (9, 64, 4200),
-                                   (64, 1536, 576), (300, 96, 70), (3, 40, 17), (70, 17, 96)])
+                                   (64, 1536, 576), (300, 96, 70), (3, 40, 17), (70, 17, 96), (16, 192, 576)])
 def test_linear_silu(kern, dtype, m, f, k):
     """The gate/up projection fused with SiLU-and-mul: torch's reference within the GEMM's
     tolerance, and bit for bit the two kernels apart (which the engine ran before)."""

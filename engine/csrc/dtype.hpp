@@ -13,6 +13,11 @@ enum class DType : int { F32 = 0, BF16 = 1, F16 = 2, F8E5M2 = 3, F8E4M3 = 4 };
 struct bf16 { uint16_t bits; };
 // Two bfloat16 of consecutive k, low half first: the operand of a bf16 pair dot product.
 struct bf16x2 { uint32_t bits; };
+// The same pair as a weight whose halves are widened to float32 in registers (VecF::widen_pair) and
+// multiplied by float32 activations taken two at a time (f32x2): one FMA chain per output, k then
+// k + 1, the bits of the one-at-a-time path at half its widening work.
+struct bf16p { uint32_t bits; };
+struct f32x2 { float v[2]; };
 struct f16 { uint16_t bits; };
 // KV cache only: OCP float8, torch's float8_e5m2 and float8_e4m3fn.
 struct f8e5m2 { uint8_t bits; };

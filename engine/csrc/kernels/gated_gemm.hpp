@@ -53,7 +53,7 @@ inline void gated_chunk(const TA* a, int64_t lda, const T* w, int64_t k, int64_t
   }
 }
 
-// k counts elements of T (k pairs for bf16x2); f % kNR == 0.
+// k counts elements of T (k pairs for bf16x2 and bf16p); f % kNR == 0.
 template <typename T, typename TA = AOf<T>>
 void gemm_silu_t(float* act, const TA* a, const T* w, int64_t m, int64_t f, int64_t k, int64_t lda, int64_t ldo) {
   const int64_t pairs = f / kNR;
@@ -119,6 +119,10 @@ void gemm_silu_impl(float* act, const float* a, const void* w, DType dt, int64_t
     return gemm_silu_t(act, bf16_pairs_of(a, m, k, lda), static_cast<const bf16x2*>(w), m, f, k2, k2, ldo);
   }
 #endif
+  if (dt == DType::BF16 && run_widened_pairs(a, m, k, lda, w, [&](auto a2, int64_t k2, int64_t lda2, auto w2) {
+        gemm_silu_t(act, a2, w2, m, f, k2, lda2, ldo);
+      }))
+    return;
   switch (dt) {
     case DType::F32: return gemm_silu_t(act, a, static_cast<const float*>(w), m, f, k, lda, ldo);
     case DType::BF16: return gemm_silu_t(act, a, static_cast<const bf16*>(w), m, f, k, lda, ldo);

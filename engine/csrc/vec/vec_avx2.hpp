@@ -64,6 +64,21 @@ struct VecF {
     lo.v = _mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(15)));
     hi.v = _mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4));
   }
+  // nibbles() with each code's high bits (5- and 6-bit codes): lanes i get
+  // float(p[i] & 15 | ((h[i] >> s0) & m) << 4) and float(p[i] >> 4 | ((h[i] >> s1) & m) << 4),
+  // m = 1 (s1 = s0 + 1) or 3 (s1 = s0 + 2). The high bytes are shifted right by s0 once and each
+  // row's bits moved into place by a constant shift and ORed into the integer codes before the
+  // one conversion a row: two conversions for two rows where nibbles() plus a u8() and an FMA a
+  // row took four conversions and two FMAs, on the FP ports the GEMM's own FMAs need.
+  static void nibbles_hi(const uint8_t* p, const uint8_t* h, int s0, int s1, int m, VecF& lo, VecF& hi) {
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i hx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h)));
+    const __m256i t = _mm256_srl_epi32(hx, _mm_cvtsi32_si128(s0)), keep = _mm256_set1_epi32(m << 4);
+    const __m256i h0 = _mm256_and_si256(_mm256_slli_epi32(t, 4), keep);
+    const __m256i h1 = _mm256_and_si256(s1 - s0 == 1 ? _mm256_slli_epi32(t, 3) : _mm256_slli_epi32(t, 2), keep);
+    lo.v = _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_and_si256(x, _mm256_set1_epi32(15)), h0));
+    hi.v = _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_srli_epi32(x, 4), h1));
+  }
   static VecF load(const f8e5m2* p) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     return {_mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(b), 8))};

@@ -35,6 +35,7 @@ class EngineConfig:
     kv_cache_space: float | None = None   # GiB; default from VLLM_CPU_KVCACHE_SPACE, else 4
     num_kv_blocks: int | None = None      # exact block count (tests); overrides kv_cache_space
     kv_populate: str = "start"            # start | idle | off: when the KV cache's pages are faulted in
+    weight_hugepages: str = "start"       # start | idle | off: when the packed weights get huge pages
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: max(2048, max_model_len) when not chunking
     # with chunked prefill, prompt tokens in a step that also decodes (None / 0: the whole budget)
@@ -67,6 +68,8 @@ class EngineConfig:
             raise ValueError(f"quantized_activations must be none or int8, got {self.quantized_activations!r}")
         if self.kv_populate not in ("start", "idle", "off"):
             raise ValueError(f"kv_populate must be start, idle or off, got {self.kv_populate!r}")
+        if self.weight_hugepages not in ("start", "idle", "off"):
+            raise ValueError(f"weight_hugepages must be start, idle or off, got {self.weight_hugepages!r}")
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}")
         if self.tensor_parallel_size < 1:

@@ -92,10 +92,14 @@ class AsyncEngine:
         self.listeners = []    # callables(RequestOutput, CoreStats) for metrics
 
     # -- lifecycle ------------------------------------------------------------------
-    async def start(self, timeout: float = 600.0) -> None:
+    def launch(self) -> None:
+        """Spawns the engine core (which then imports torch and loads the model) and returns at
+        once: the caller does its own start-up meanwhile, then awaits `start`."""
         import zmq
         import zmq.asyncio
 
+        if getattr(self, "proc", None) is not None:
+            return
         self._dir = tempfile.mkdtemp(prefix="cpuserve-")
         os.chmod(self._dir, 0o700)
         in_addr, out_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
@@ -108,10 +112,19 @@ class AsyncEngine:
         self.proc = mp.Process(target=cp.run_engine_core, args=(self.config, in_addr, out_addr),
                                name="cpuserve-engine-core", daemon=True)
         self.proc.start()
+
+    async def start(self, timeout: float = 600.0) -> None:
+        """Launches the engine core if that is not done yet, and waits until it is ready."""
+        self.launch()
         deadline = time.monotonic() + timeout
+        tokenizer = None  # read while the core loads the weights
         while True:
             if await self._pull.poll(500):
                 kind, *payload = pickle.loads(await self._pull.recv())
+                if kind == cp.RESOLVED and tokenizer is None:
+                    tokenizer = (payload[0], asyncio.ensure_future(asyncio.to_thread(load_tokenizer, payload[0])))
+                    # (its error is raised by the await below; if the core fails first, by nobody)
+                    tokenizer[1].add_done_callback(lambda f: f.cancelled() or f.exception())
                 if kind == cp.READY:
                     self.info = ModelInfo(**payload[0])
                     break
@@ -121,7 +134,10 @@ class AsyncEngine:
                 raise RuntimeError(f"engine core exited during start-up (exit code {self.proc.exitcode})")
             if time.monotonic() > deadline:
                 raise RuntimeError("engine core did not become ready in time")
-        self.tokenizer = load_tokenizer(self.info.model_dir)
+        if tokenizer is not None and tokenizer[0] == self.info.model_dir:
+            self.tokenizer = await tokenizer[1]
+        else:
+            self.tokenizer = load_tokenizer(self.info.model_dir)
         self.output = OutputProcessor(self.tokenizer)
         self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch_process())]
         log.info("engine core ready (pid %d): %s, dtype %s, %d KV blocks of %d, max_model_len %d",

@@ -18,8 +18,8 @@ log = logging.getLogger("cpuserve.core")
 
 # request kinds (API -> core)
 ADD, ABORT, STOP_SEQ, SHUTDOWN = "add", "abort", "stop_seq", "shutdown"
-# message kinds (core -> API)
-READY, OUTPUTS, REJECTED, FATAL = "ready", "outputs", "rejected", "fatal"
+# message kinds (core -> API); RESOLVED: the model's directory, before its weights are loaded
+RESOLVED, READY, OUTPUTS, REJECTED, FATAL = "resolved", "ready", "outputs", "rejected", "fatal"
 
 
 def bound_ranks(runner) -> list[dict]:
@@ -50,7 +50,9 @@ def run_engine_core(config, input_addr: str, output_addr: str) -> None:
     parent = os.getppid()
     try:
         from cpuserve.engine.pooling_core import make_core
+        from cpuserve.loading.model_loader import resolve
 
+        send(RESOLVED, str(resolve(config.model)))  # the API process reads the tokenizer meanwhile
         core = make_core(config)
         send(READY, dict(model_dir=str(core.runner.model_dir), max_model_len=core.max_model_len,
                          task=getattr(core, "task", "generate"),
@@ -70,20 +72,20 @@ def run_engine_core(config, input_addr: str, output_addr: str) -> None:
 
 def busy_loop(core, pull, send, parent: int) -> None:
     """Takes in requests, steps while there is work, sends each step's outputs; while idle,
-    populates the KV cache's pages (worker/kv_cache.py Populator) if some are left.
-    Returns on SHUTDOWN or when the API process is gone."""
+    does the start-up work left for then (worker/idle.py: the KV cache's pages, the weights'
+    huge pages). Returns on SHUTDOWN or when the API process is gone."""
     import zmq
 
-    from cpuserve.worker.kv_cache import QUIET_S
+    from cpuserve.worker.idle import QUIET_S
 
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
-    populator = getattr(core.runner, "kv_populator", None)  # (a pooling runner has no KV cache)
+    idle = core.runner.idle_work
     while True:
-        # block while idle (waking up to notice a dead parent, or after a quiet spell to
-        # populate); drain without waiting while busy
-        populating = populator is not None and populator.pending
-        timeout = 0 if core.has_unfinished() else int(QUIET_S * 1000) if populating else 1000
+        # block while idle (waking up to notice a dead parent, or after a quiet spell for the
+        # idle work); drain without waiting while busy
+        left = idle.pending
+        timeout = 0 if core.has_unfinished() else int(QUIET_S * 1000) if left else 1000
         quiet = True
         while poller.poll(timeout):
             if not handle(core, send, *pickle.loads(pull.recv())):
@@ -96,8 +98,8 @@ def busy_loop(core, pull, send, parent: int) -> None:
         if core.has_unfinished():
             outputs = core.step()
             send(OUTPUTS, outputs, core.snapshot_stats())
-        elif populating and quiet:
-            populator.run_while(lambda: not poller.poll(0))
+        elif left and quiet:
+            idle.run_while(lambda: not poller.poll(0))
 
 
 def handle(core, send, kind: str, *payload) -> bool:

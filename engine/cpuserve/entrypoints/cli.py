@@ -106,9 +106,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
         # wait for joining prompts in short steps. Measured here (Q4_1, 16 streams of 128/128): TTFT
         # p50 ~590 -> ~320 ms, inter-token p99 ~230 -> ~160 ms, the same tokens/s.
         kwargs["max_prefill_tokens_while_decoding"] = SERVE_PREFILL_WHILE_DECODING
-    # Serving default (offline populates at start): the KV cache's pages beyond its first 256 MiB
-    # are faulted in while the engine is idle, not before it is ready (platform/pages.py)
+    # Serving default (offline does both at start): the KV cache's pages beyond its first 256 MiB
+    # are faulted in, and the weights turned into huge pages, while the engine is idle, not
+    # before it is ready (platform/pages.py)
     kwargs["kv_populate"] = "idle"
+    kwargs["weight_hugepages"] = "idle"
     config = EngineConfig(**kwargs, served_model_name=a.served_model_name)
     api_key = a.api_key or os.environ.get("CPUSERVE_API_KEY") or os.environ.get("VLLM_API_KEY")
     if a.max_request_body_bytes < 1:

@@ -185,7 +185,6 @@ def allocate(layers, blocks: int, block_size: int, kv_dtype: torch.dtype,
 
 HEAD_BYTES = 256 << 20  # populated before an idle-populated cache is ready: the first requests' blocks
 SLICE_BYTES = 8 << 20   # populated at a time while idle: what a request arriving meanwhile may wait for
-QUIET_S = 0.05          # idle this long (no request) before populating: not in the gaps between requests
 
 
 class Populator:

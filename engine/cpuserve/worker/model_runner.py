@@ -22,6 +22,7 @@ from cpuserve.platform import pages
 from cpuserve.platform.isa import resolve_dtype, resolve_kv_dtype
 from cpuserve.platform.malloc import tune_malloc
 from cpuserve.worker import kv_cache
+from cpuserve.worker.idle import IdleWork
 from cpuserve.worker.input_batch import blocks_for, packed_inputs, prepare_inputs, scoring_inputs
 from cpuserve.worker.sampler import Sampler
 
@@ -180,11 +181,13 @@ class ModelRunner:
 
     def _load(self, cls) -> None:
         """Weights, then the KV cache; rank 0 then waits for the other ranks to be ready."""
-        with ops.quantized_activations(self.config.quantized_activations), ops.weights_in(pages.HugeArena()):
+        arena = pages.HugeArena(mode=pages.hugepages_mode(self.config.weight_hugepages))
+        with ops.quantized_activations(self.config.quantized_activations), ops.weights_in(arena):
             self.model = cls(self.hf_config, Weights(load_state_dict(self.model_dir, self.quantization)), self.dtype,
                              self.tp)
         self.weight_bytes = tensor_bytes(self.model)  # before the KV cache is bound to the layers
-        self.num_blocks, self.kv_cache, self.kv_populator = self._allocate_kv_cache()
+        self.num_blocks, self.kv_cache, populator = self._allocate_kv_cache()
+        self.idle_work = IdleWork(arena.collapser(), populator)
         if self.ranks is not None:
             self.rank_info = self.ranks.wait_ready()
             self.ranks.comm.unlink()  # every rank has attached: nothing is left behind in /dev/shm

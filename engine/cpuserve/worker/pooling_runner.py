@@ -18,6 +18,7 @@ from cpuserve.model_executor.models import model_class
 from cpuserve.model_executor.models.common import Weights
 from cpuserve.model_executor.pooling import Pooling
 from cpuserve.platform import pages
+from cpuserve.worker.idle import IdleWork
 from cpuserve.worker.input_batch import blocks_for
 
 log = logging.getLogger("cpuserve")
@@ -55,9 +56,11 @@ class EncoderRunner:
         self.dtype = torch.float32
         self.tp, self.binding, self.ranks = start_rank0(config, str(self.model_dir))
         self.quantization = checkpoint_quantization(self.model_dir, config.quantization)
-        with ops.quantized_activations(config.quantized_activations), ops.weights_in(pages.HugeArena()):
+        arena = pages.HugeArena(mode=pages.hugepages_mode(config.weight_hugepages))
+        with ops.quantized_activations(config.quantized_activations), ops.weights_in(arena):
             self.model = model_class(self.hf_config)(
                 self.hf_config, Weights(load_state_dict(self.model_dir, self.quantization)), self.dtype)
+        self.idle_work = IdleWork(arena.collapser())
         self.pooling = Pooling.from_dir(self.model_dir, decoder=False)
         limits = [self.model.max_positions, self.pooling.max_len, config.max_model_len]
         self.max_model_len = min(n for n in limits if n)
@@ -98,6 +101,7 @@ class DecoderPoolingRunner:
         self.max_model_len = min(n for n in (longest, self.pooling.max_len) if n)
         self.vocab_size, self.num_blocks = self.runner.vocab_size, 0  # (its scratch cache is not for generation)
         self.dtype, self.binding = self.runner.dtype, self.runner.binding
+        self.idle_work = self.runner.idle_work
         self.load_seconds = time.perf_counter() - t0
         _log_loaded(model_dir, self.pooling, self.max_model_len, self.load_seconds)
 

@@ -66,15 +66,15 @@ def start(conn, rank: int, init: dict):
 
 
 def serve(conn, rank: int, runner, tp, comm) -> int:
-    """Runs what rank 0 sends until it says shutdown or goes away; after a quiet spell, populates
-    its KV cache's pages if some are left (worker/kv_cache.py Populator), as rank 0 does."""
-    from cpuserve.worker.kv_cache import QUIET_S
+    """Runs what rank 0 sends until it says shutdown or goes away; after a quiet spell, does its
+    start-up work left for then (worker/idle.py), as rank 0 does."""
+    from cpuserve.worker.idle import QUIET_S
 
-    populator = runner.kv_populator
+    idle = runner.idle_work
     try:
         while True:
-            if populator is not None and populator.pending and not conn.poll(QUIET_S):
-                populator.run_while(lambda: not conn.poll())
+            if idle.pending and not conn.poll(QUIET_S):
+                idle.run_while(lambda: not conn.poll())
                 continue
             try:
                 msg = pickle.loads(conn.recv_bytes())

@@ -3,6 +3,7 @@ cancellation on disconnect; a burst of concurrent streams; engine-core death."""
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 
@@ -329,10 +330,12 @@ def test_sigkill_of_the_api_process_takes_the_engine_core_down():
         s.stop()
 
 
-def test_kv_cache_is_populated_while_idle_and_answers_do_not_change():
-    """The server is ready with the KV cache's first 256 MiB populated; the rest (here 768 MiB)
-    is populated while no request runs, and committed: the engine core's resident memory ends
-    above the weights (~620 MiB as float32) plus the whole 1 GiB cache."""
+def test_kv_cache_is_populated_and_weights_get_huge_pages_while_idle_and_answers_do_not_change():
+    """The server is ready with the KV cache's first 256 MiB populated and the weights on 4 KiB
+    pages; while no request runs the weights are turned into huge pages (MADV_COLLAPSE, Linux
+    6.1+; before, advised for khugepaged) and the rest of the cache (here 768 MiB) is populated,
+    and committed: the engine core's resident memory ends above the weights (~620 MiB as
+    float32) plus the whole 1 GiB cache."""
     s = Server()
     try:
         body = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
@@ -345,6 +348,12 @@ def test_kv_cache_is_populated_while_idle_and_answers_do_not_change():
         core = [p for p in psutil.Process(s.proc.pid).children(recursive=True)
                 if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
         assert core[0].memory_info().rss > (1024 + 600) * 2**20
+        if "MADV_COLLAPSE stopped" not in out:
+            collapsed = re.search(r"weights: (\d+) MiB on huge pages", out)
+            assert collapsed and int(collapsed[1]) >= 90, out  # the Q4_1 file's 94 MiB, as stored
+            with open(f"/proc/{core[0].pid}/smaps_rollup") as f:
+                huge = next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+            assert huge >= (int(collapsed[1]) - 2) * 1024  # kB
         assert post(s, "/v1/completions", body).json()["choices"][0]["text"] == first
     finally:
         s.stop()

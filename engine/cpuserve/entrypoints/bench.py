@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -29,6 +29,7 @@ class Machine:
     read_gbs: float                 # GB/s
     torch_gflops: dict              # dtype name -> GFLOP/s, torch.mm at 2048^3
     kernel_gflops: dict             # dtype name -> GFLOP/s, ops.linear on the model's shape
+    torch_shape_gflops: dict = field(default_factory=dict)  # float32/bfloat16: torch's F.linear on that shape
 
 
 def bounds(weight_bytes: int, params: int, read_gbs: float, gflops: float) -> dict:
@@ -58,6 +59,12 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 10) -> float:
 def torch_gemm_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     return 2 * n ** 3 / _best(lambda: torch.mm(a, b), repeats) / GB
+
+
+def torch_linear_gflops(dtype: torch.dtype, m: int, k: int, n: int, repeats: int = 20) -> float:
+    """torch's own F.linear on the shape kernel_gflops measures ours on (its oneDNN/MKL GEMM)."""
+    x, w = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
+    return 2 * m * n * k / _best(lambda: torch.nn.functional.linear(x, w), repeats) / GB
 
 
 def random_q4_1(n: int, k: int):
@@ -97,7 +104,8 @@ def measure_machine(hidden: int, ffn: int) -> Machine:
     kinds = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     return Machine(torch.get_num_threads(), read_bandwidth(),
                    {k: torch_gemm_gflops(d) for k, d in kinds.items()},
-                   {k: kernel_gflops(d, 64, hidden, ffn) for k, d in {**kinds, **{q: q for q in ("gguf", "gguf-int8", "w8a8")}}.items()})
+                   {k: kernel_gflops(d, 64, hidden, ffn) for k, d in {**kinds, **{q: q for q in ("gguf", "gguf-int8", "w8a8")}}.items()},
+                   {k: torch_linear_gflops(d, 64, hidden, ffn) for k, d in kinds.items()})
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -241,7 +249,9 @@ def format_report(r: dict, batch: int = 64) -> str:
     m = r["machine"]
     lines = [f"machine: {m['threads']} threads, read bandwidth {m['read_gbs']:.1f} GB/s; GEMM GFLOP/s: torch 2048^3 "
              + ", ".join(f"{k} {v:.0f}" for k, v in m["torch_gflops"].items()) + "; cpuserve kernel [64 x hidden] x "
-             "[hidden x ffn] " + ", ".join(f"{k} {v:.0f}" for k, v in m["kernel_gflops"].items()), ""]
+             "[hidden x ffn] " + ", ".join(f"{k} {v:.0f}" for k, v in m["kernel_gflops"].items())
+             + ("; torch's F.linear on that shape " + ", ".join(f"{k} {v:.0f}" for k, v in m["torch_shape_gflops"].items())
+                if m.get("torch_shape_gflops") else ""), ""]
     for dtype, e in r["engines"].items():
         lines.append(f"{dtype}: weights read per token {e['weight_bytes'] / 2**20:.0f} MiB ({e['params'] / 1e6:.0f}M "
                      f"params); batch 1: {e['batch1_ms']:.2f} ms/token against a bound of {e['batch1_bound_ms']:.2f} "

@@ -1,6 +1,7 @@
 """`cpuserve bench`: the bound arithmetic, and a decode step's profile on the real model
 (every category measured, the step's time accounted for, the timers removed afterwards)."""
 import pytest
+import torch
 
 from cpuserve.entrypoints import bench
 
@@ -35,3 +36,22 @@ def test_the_fused_gate_up_counts_as_gemm():
         ops.linear_silu(torch.randn(4, 64), w)
     assert prof.spent["GEMM"] > 0 and set(prof.spent) == {"GEMM"}
     assert ops.linear_silu is linear_silu
+
+
+def test_the_report_sets_our_kernel_beside_torch_on_the_same_shape():
+    """The machine line names torch's GEMM on the model's own shape next to ours (and reads a
+    report from before that figure existed)."""
+    machine = {"threads": 2, "read_gbs": 29.4, "torch_gflops": {"float32": 169.0, "bfloat16": 0.0},
+               "kernel_gflops": {"float32": 115.0}}
+    engine = {"weight_bytes": 540 << 20, "params": 134_000_000, "read_gbs": 29.4, "batch1_ms": 20.0,
+              "batch1_bound_ms": 18.0, "batch1_of_bound": 0.9, "batch64_tok_s": 300.0, "batch64_gflops": 80.0,
+              "batch64_of_kernel_peak": 0.7, "batch64_of_best_peak": 0.5, "profile": {}}
+    old = bench.format_report({"machine": machine, "engines": {"float32": engine}})
+    assert "cpuserve kernel [64 x hidden] x [hidden x ffn] float32 115" in old and "F.linear" not in old
+    new = bench.format_report({"machine": {**machine, "torch_shape_gflops": {"float32": 76.4, "bfloat16": 31.0}},
+                               "engines": {"float32": engine}})
+    assert "float32 115; torch's F.linear on that shape float32 76, bfloat16 31" in new
+
+
+def test_torch_on_the_same_shape_is_measured():
+    assert bench.torch_linear_gflops(torch.float32, 8, 64, 96, repeats=2) > 0

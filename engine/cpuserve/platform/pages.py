@@ -50,7 +50,7 @@ CHUNK = 64 << 20      # an arena region
 ALIGN = 64            # each tensor's start: a cache line, as torch.empty's
 
 
-MADV_COLLAPSE = 25    # Linux 6.1+ (<linux/mman.h>); Python's mmap module names it from 3.12 on
+MADV_COLLAPSE = 25    # Linux 6.1+ (<asm-generic/mman-common.h>)
 
 
 def huge_empty(nbytes: int, advise: bool = True) -> torch.Tensor:

@@ -50,7 +50,8 @@ CHUNK = 64 << 20      # an arena region
 ALIGN = 64            # each tensor's start: a cache line, as torch.empty's
 
 
-MADV_COLLAPSE = 25    # Linux 6.1+ (<asm-generic/mman-common.h>)
+MADV_HUGEPAGE = 14    # (<asm-generic/mman-common.h>)
+MADV_COLLAPSE = 25    # Linux 6.1+
 
 
 def huge_empty(nbytes: int, advise: bool = True) -> torch.Tensor:
@@ -59,19 +60,11 @@ def huge_empty(nbytes: int, advise: bool = True) -> torch.Tensor:
     every 2 MiB page the tensor touches whole. The tensor keeps the mapping alive."""
     whole_pages = -(-nbytes // HUGE) * HUGE
     m = mmap.mmap(-1, whole_pages + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if advise:
-        advise_huge(m)
     whole = torch.frombuffer(m, dtype=torch.uint8)
     start = -whole.data_ptr() % HUGE
+    if advise:  # (an error: a kernel built without transparent huge pages; 4 KiB pages then)
+        madvise(whole.data_ptr() + start, whole_pages, MADV_HUGEPAGE)
     return whole[start:start + nbytes]
-
-
-def advise_huge(m: mmap.mmap) -> None:
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            m.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel built without transparent huge pages
-            pass
 
 
 POPULATE_MODES = ("start", "idle", "off")
@@ -210,8 +203,6 @@ class Collapser:
             self.spans = []
             log.info("weights: %d MiB on huge pages (%.2f s of idle time)", len(self.pages) * HUGE >> 20, self.seconds)
 
-
-MADV_HUGEPAGE = 14   # (mmap.MADV_HUGEPAGE on Linux)
 
 
 def madvise(addr: int, nbytes: int, advice: int) -> int:

@@ -57,44 +57,40 @@ inline void gated_chunk(const TA* a, int64_t lda, const T* w, int64_t k, int64_t
 template <typename T, typename TA = AOf<T>>
 void gemm_silu_t(float* act, const TA* a, const T* w, int64_t m, int64_t f, int64_t k, int64_t lda, int64_t ldo) {
   const int64_t pairs = f / kNR;
-  // row tiles and thread shares as gemm_t's, counted in pairs of panels
+  // row tiles and thread shares (share_tiles) as gemm_t's, counted in pairs of panels
   const int64_t m_tiles = row_tiles(m, 2 * pairs);
   const int64_t mc = ((m + m_tiles - 1) / m_tiles + kMR - 1) / kMR * kMR;
-  const int64_t per_group = (pairs + omp_get_max_threads() - 1) / omp_get_max_threads();
-  const int64_t groups = (pairs + per_group - 1) / per_group;
   const int64_t kc_max = m <= 2 ? k : k_block<T>(k);
   const int64_t ps = k * kNR;
-#pragma omp parallel for schedule(static) collapse(2) if (2 * m * f * k > 32768)
-  for (int64_t mt = 0; mt < m_tiles; ++mt) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t m0 = mt * mc, m1 = std::min(m, m0 + mc);
-      if (m0 >= m) continue;
-      const int64_t j0 = g * per_group, j1 = std::min(pairs, j0 + per_group);
-      const int64_t step = m1 - m0 <= kPassRows ? kGatedDecodePairs : 1;
-      static thread_local std::vector<float> scratch;
-      scratch.resize(static_cast<size_t>((m1 - m0) * 2 * step * kNR));
-      for (int64_t j = j0; j < j1; j += step) {
-        const int64_t np = std::min(step, j1 - j);
-        // the chunk after this half's (up after gate, then the next K block or pair group)
-        auto next = [&](int half, int64_t k0, int64_t kc) {
-          int64_t panel = j + pairs, at = k0;
-          if (half == 1) {
-            panel = k0 + kc < k ? j : j + np;
-            at = k0 + kc < k ? k0 + kc : 0;
-            if (panel >= j1) return Prefetch{};
-          }
-          const int64_t len = std::min(kc_max, k - at);
-          return Prefetch::bytes(w + panel * ps + at * kNR, static_cast<int64_t>(len * kNR * sizeof(T)));
-        };
-        gated_chunk(a, lda, w, k, kc_max, m0, m1, j, np, pairs, scratch.data(), next);
-        const int64_t ld = 2 * np * kNR;
-        for (int64_t r = m0; r < m1; ++r) {
-          const float* row = scratch.data() + (r - m0) * ld;
-          silu_mul_row(act + r * ldo + j * kNR, row, row + np * kNR, np * kNR);
+  const int64_t chunk = tile_chunk(mc <= kPassRows, kc_max == k, m_tiles * pairs);
+  share_tiles(m_tiles, pairs, chunk, 2 * m * f * k > 32768, [&](int64_t mt, int64_t j0, int64_t j1) {
+    const int64_t m0 = mt * mc, m1 = std::min(m, m0 + mc);
+    if (m0 >= m) return;
+    const int64_t step = m1 - m0 <= kPassRows ? kGatedDecodePairs : 1;
+    static thread_local std::vector<float> scratch;
+    scratch.resize(static_cast<size_t>((m1 - m0) * 2 * step * kNR));
+    for (int64_t j = j0; j < j1; j += step) {
+      const int64_t np = std::min(step, j1 - j);
+      // the chunk after this half's (up after gate, then the next K block or pair: the owner's
+      // next chunk, unless another thread takes it first)
+      auto next = [&](int half, int64_t k0, int64_t kc) {
+        int64_t panel = j + pairs, at = k0;
+        if (half == 1) {
+          panel = k0 + kc < k ? j : j + np;
+          at = k0 + kc < k ? k0 + kc : 0;
+          if (panel >= pairs) return Prefetch{};
         }
+        const int64_t len = std::min(kc_max, k - at);
+        return Prefetch::bytes(w + panel * ps + at * kNR, static_cast<int64_t>(len * kNR * sizeof(T)));
+      };
+      gated_chunk(a, lda, w, k, kc_max, m0, m1, j, np, pairs, scratch.data(), next);
+      const int64_t ld = 2 * np * kNR;
+      for (int64_t r = m0; r < m1; ++r) {
+        const float* row = scratch.data() + (r - m0) * ld;
+        silu_mul_row(act + r * ldo + j * kNR, row, row + np * kNR, np * kNR);
       }
     }
-  }
+  });
 }
 
 // Where F is no multiple of the panel width: the [M, 2F] projection into a buffer by gemm(buffer),

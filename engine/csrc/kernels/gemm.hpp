@@ -21,6 +21,7 @@
 #include <unistd.h>
 #include "../vec/vec.hpp"
 #include "prefetch.hpp"
+#include "shares.hpp"
 
 namespace cpuserve {
 namespace {
@@ -273,6 +274,34 @@ inline int64_t k_block(int64_t k) {
   return std::min(k, fallback);
 }
 
+// A GEMM's work over row tiles x panels (item mt * panels + p) in self-balancing thread shares
+// (shares.hpp): each thread streams its own contiguous share of the panels in memory order, as the
+// static split before did (a few panels a group had left one thread with twice the other's bytes
+// on 18-panel layers), then helps with the others'; run(mt, p0, p1) per chunk of one row tile.
+template <typename Run>
+inline void share_tiles(int64_t m_tiles, int64_t panels, int64_t chunk, bool parallel, Run&& run) {
+  const int team = parallel ? omp_get_max_threads() : 1;
+  Shares shares(m_tiles * panels, team);
+#pragma omp parallel num_threads(team) if (team > 1)
+  shares.run(omp_get_thread_num(), chunk, [&](int64_t lo, int64_t hi) {
+    while (lo < hi) {  // a chunk across the end of a row tile: its two parts
+      const int64_t mt = lo / panels, end = std::min(hi, (mt + 1) * panels);
+      run(mt, lo - mt * panels, end - mt * panels);
+      lo = end;
+    }
+  });
+}
+
+// Panels a thread takes at a time out of `items` (row tiles x panels): a decode pass's 4-panel group
+// (micro_rows); one panel of a batch, whose every row tile reads it whole, unless K is blocked:
+// then an eighth of a share, so that each block of A in L2 still serves several panels.
+inline int64_t tile_chunk(bool pass, bool whole_k, int64_t items) {
+  if (pass) return 4;
+  if (whole_k) return 1;
+  const int64_t threads = omp_get_max_threads();
+  return std::max<int64_t>(1, (items + 8 * threads - 1) / (8 * threads));
+}
+
 // k counts elements of T (k pairs for bf16x2 and bf16p).
 template <typename T, typename TA = AOf<T>>
 void gemm_t(float* c, const TA* a, const T* w, const float* bias, int64_t m, int64_t n, int64_t k,
@@ -282,42 +311,35 @@ void gemm_t(float* c, const TA* a, const T* w, const float* bias, int64_t m, int
   // (each weight panel read once), not 48 + 16.
   const int64_t m_tiles = row_tiles(m, panels);
   const int64_t mc = ((m + m_tiles - 1) / m_tiles + kMR - 1) / kMR * kMR;
-  // One contiguous, equal share of the panels a thread in each row tile, so that each thread
-  // streams its weights in memory order (a few panels a group left one thread with twice the
-  // other's bytes on 18-panel layers), each panel's whole K at once where it fits (k_block).
-  // Decode always takes the whole K: its A is one or two rows.
-  const int64_t per_group = (panels + omp_get_max_threads() - 1) / omp_get_max_threads();
+  // Each panel's whole K at once where it fits (k_block); decode always takes the whole K: its A
+  // is one or two rows.
   const int64_t kc_max = m <= 2 ? k : k_block<T>(k);
-  const int64_t groups = (panels + per_group - 1) / per_group;
-#pragma omp parallel for schedule(static) collapse(2) if (m * n * k > 32768)
-  for (int64_t mt = 0; mt < m_tiles; ++mt) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t m0 = mt * mc, m1 = std::min(m, m0 + mc);
-      if (m0 >= m) continue;
-      const int64_t p0 = g * per_group, p1 = std::min(panels, p0 + per_group);
-      for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
-        const int64_t kc = std::min(kc_max, k - k0);
-        if (m1 - m0 <= kPassRows) {  // decode: one pass over the rows, wide over panels
-          micro_rows(static_cast<int>(m1 - m0), a + m0 * lda + k0, lda, w, k, k0, kc, c + m0 * ldc, ldc, p0, p1,
-                     n, k0 == 0);
-          continue;
-        }
-        const int64_t tr = tile_rows(m1 - m0), tiles = (m1 - m0 + tr - 1) / tr;
-        for (int64_t p = p0; p < p1; ++p) {  // one panel chunk reused by every row tile
-          // one row tile streams its chunk once: the hardware prefetchers keep up with that alone
-          const Prefetch next = tiles > 1 ? next_chunk(w, k, k0, kc_max, p, p0, p1, panels) : Prefetch{};
-          for (int64_t r = m0, t = 0; r < m1; r += tr, ++t) {
-            const int mr = static_cast<int>(std::min<int64_t>(tr, m1 - r));
-            micro_rows(mr, a + r * lda + k0, lda, w, k, k0, kc, c + r * ldc, ldc, p, p + 1, n, k0 == 0,
-                       next.slice(t, tiles));
-          }
+  const int64_t chunk = tile_chunk(mc <= kPassRows, kc_max == k, m_tiles * panels);
+  share_tiles(m_tiles, panels, chunk, m * n * k > 32768, [&](int64_t mt, int64_t p0, int64_t p1) {
+    const int64_t m0 = mt * mc, m1 = std::min(m, m0 + mc);
+    if (m0 >= m) return;
+    for (int64_t k0 = 0; k0 < k; k0 += kc_max) {
+      const int64_t kc = std::min(kc_max, k - k0);
+      if (m1 - m0 <= kPassRows) {  // decode: one pass over the rows, wide over panels
+        micro_rows(static_cast<int>(m1 - m0), a + m0 * lda + k0, lda, w, k, k0, kc, c + m0 * ldc, ldc, p0, p1, n,
+                   k0 == 0);
+        continue;
+      }
+      const int64_t tr = tile_rows(m1 - m0), tiles = (m1 - m0 + tr - 1) / tr;
+      for (int64_t p = p0; p < p1; ++p) {  // one panel chunk reused by every row tile
+        // one row tile streams its chunk once: the hardware prefetchers keep up with that alone
+        const Prefetch next = tiles > 1 ? next_chunk(w, k, k0, kc_max, p, p0, p1, panels) : Prefetch{};
+        for (int64_t r = m0, t = 0; r < m1; r += tr, ++t) {
+          const int mr = static_cast<int>(std::min<int64_t>(tr, m1 - r));
+          micro_rows(mr, a + r * lda + k0, lda, w, k, k0, kc, c + r * ldc, ldc, p, p + 1, n, k0 == 0,
+                     next.slice(t, tiles));
         }
       }
-      if (bias != nullptr)
-        for (int64_t r = m0; r < m1; ++r)
-          for (int64_t col = p0 * kNR; col < std::min(n, p1 * kNR); ++col) c[r * ldc + col] += bias[col];
     }
-  }
+    if (bias != nullptr)
+      for (int64_t r = m0; r < m1; ++r)
+        for (int64_t col = p0 * kNR; col < std::min(n, p1 * kNR); ++col) c[r * ldc + col] += bias[col];
+  });
 }
 
 #ifdef __AVX512BF16__

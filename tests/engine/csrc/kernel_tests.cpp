@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <omp.h>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -15,6 +16,7 @@
 
 #include "kernel_table.hpp"
 #include "kernels/prefetch.hpp"
+#include "kernels/shares.hpp"
 #include "kernels/quant_format.hpp"
 
 using namespace cpuserve;
@@ -333,6 +335,83 @@ TEST(LineQueue, IssuesEveryLineOnceInOrder) {
   q.clear();
   q.issue(100, record);
   EXPECT_EQ(seen.size(), 1u);
+}
+
+// Self-balancing shares (shares.hpp): every item runs exactly once, in chunks of at most `chunk`
+// contiguous items; a slow thread's share is finished by the others; a team smaller than planned
+// (one thread) takes its own share from the front, then the others' from their backs.
+TEST(Shares, EveryItemOnceSlowThreadHelpedMissingThreadsCovered) {
+  for (int64_t n : {int64_t(0), int64_t(1), int64_t(7), int64_t(36), int64_t(1000)})
+    for (int64_t chunk : {int64_t(1), int64_t(4), int64_t(1) << 40})
+      for (int team : {1, 2, 3, 4}) {
+        const bool slow0 = n == 1000 && chunk == 1;  // thread 0 slow: the others take its share's back
+        std::vector<int> hits(n, 0);
+        std::vector<std::vector<std::pair<int64_t, int64_t>>> seen(team);
+        Shares shares(n, team);
+#pragma omp parallel num_threads(team)
+        {
+          const int t = omp_get_thread_num();
+          shares.run(t, chunk, [&](int64_t lo, int64_t hi) {
+            if (slow0 && t == 0) {
+              volatile double x = 0;
+              for (int i = 0; i < 20000; ++i) x = x + i;
+            }
+            seen[t].push_back({lo, hi});
+            for (int64_t i = lo; i < hi; ++i) {
+#pragma omp atomic
+              ++hits[i];
+            }
+          });
+        }
+        const int64_t per = (n + team - 1) / team;
+        int64_t from_0 = 0;
+        for (int t = 0; t < team; ++t)
+          for (auto [lo, hi] : seen[t]) {
+            ASSERT_LT(lo, hi);
+            ASSERT_LE(hi - lo, chunk);
+            if (t != 0 && lo < per) from_0 += hi - lo;
+          }
+        for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hits[i], 1) << "item " << i << " n " << n << " team " << team;
+        if (slow0 && team > 1) EXPECT_GT(from_0, 0) << "team " << team;
+      }
+  // planned for 3 threads, run by one: [0, 4) from the front, then the back of [4, 8) (the most
+  // left), then of whichever has more, then [8, 10)
+  Shares shares(10, 3);
+  std::vector<std::pair<int64_t, int64_t>> got;
+  shares.run(0, 2, [&](int64_t lo, int64_t hi) { got.push_back({lo, hi}); });
+  EXPECT_EQ(got, (std::vector<std::pair<int64_t, int64_t>>{{0, 2}, {2, 4}, {6, 8}, {4, 6}, {8, 10}}));
+}
+
+// The GEMMs' bits do not depend on the thread count or on which thread takes which panels
+// (shares.hpp): 1, 2, 3 and 5 threads give the same output, one pass (decode) or row tiles.
+TEST(Gemm, SameBitsAnyThreadCountEveryTable) {
+  std::vector<const KernelTable*> tables = vector_tables();
+  tables.push_back(table_scalar());
+  const int before = omp_get_max_threads();
+  for (const KernelTable* tab : tables)
+    for (auto [m, n, k] : std::vector<std::array<int64_t, 3>>{{1, 960, 576}, {2, 200, 100}, {64, 576, 576},
+                                                              {130, 200, 64}}) {
+      auto a = randn(m * k, 31);
+      auto w = convert<bf16>(randn(n * k, 32, 0.1f));
+      std::vector<bf16> packed(((n + tab->gemm_nr - 1) / tab->gemm_nr) * tab->gemm_nr * (k + k % 2));
+      tab->pack_weight(packed.data(), w.data(), DType::BF16, n, k);
+      std::vector<float> want, got(m * n), act_want, act(m * (n / 2));
+      for (int threads : {1, 2, 3, 5}) {
+        omp_set_num_threads(threads);
+        tab->gemm(got.data(), a.data(), packed.data(), DType::BF16, nullptr, m, n, k, k, n);
+        if (n % (2 * tab->gemm_nr) == 0)
+          tab->gemm_silu(act.data(), a.data(), packed.data(), DType::BF16, m, n / 2, k, k, n / 2);
+        if (want.empty()) {
+          want = got;
+          act_want = act;
+          continue;
+        }
+        ASSERT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * 4))
+            << tab->isa << " m " << m << " threads " << threads;
+        ASSERT_EQ(0, std::memcmp(act.data(), act_want.data(), act.size() * 4)) << tab->isa << " m " << m;
+      }
+    }
+  omp_set_num_threads(before);
 }
 
 // float8 conversions: every e5m2 / e4m3 value survives a round trip; rounding is to nearest

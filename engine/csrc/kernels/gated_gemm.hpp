@@ -132,17 +132,19 @@ template <int T, int MR>
 void q_gated_decode(float* act, const float* a, const uint8_t* w, int64_t pairs, int64_t nb, int64_t lda,
                     int64_t ldo) {
   const int64_t ps = nb * qchunk_bytes(qformat(T), kNR);
-#pragma omp parallel for schedule(static) if (2 * pairs * kNR * nb * qformat(T).block > 32768)
-  for (int64_t j = 0; j < pairs; ++j) {
-    alignas(64) float buf[MR * 2 * kNR];
-    if constexpr (MR <= 2) {  // gate j, then j + 1; up j, then j + 1
-      q_micro<T, MR, 2>(a, lda, w + j * ps, pairs * ps, nb, buf, 2 * kNR, kNR, ps);
-    } else {  // gate j, up j, gate j + 1
-      q_micro<T, MR, 1>(a, lda, w + j * ps, ps, nb, buf, 2 * kNR, kNR, pairs * ps);
-      q_micro<T, MR, 1>(a, lda, w + (j + pairs) * ps, ps, nb, buf + kNR, 2 * kNR, kNR, (1 - pairs) * ps);
+  share_tiles(1, pairs, 2, 2 * pairs * kNR * nb * qformat(T).block > 32768, [&](int64_t, int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      alignas(64) float buf[MR * 2 * kNR];
+      if constexpr (MR <= 2) {  // gate j, then j + 1; up j, then j + 1
+        q_micro<T, MR, 2>(a, lda, w + j * ps, pairs * ps, nb, buf, 2 * kNR, kNR, ps);
+      } else {  // gate j, up j, gate j + 1
+        q_micro<T, MR, 1>(a, lda, w + j * ps, ps, nb, buf, 2 * kNR, kNR, pairs * ps);
+        q_micro<T, MR, 1>(a, lda, w + (j + pairs) * ps, ps, nb, buf + kNR, 2 * kNR, kNR, (1 - pairs) * ps);
+      }
+      for (int i = 0; i < MR; ++i)
+        silu_mul_row(act + i * ldo + j * kNR, buf + 2 * i * kNR, buf + (2 * i + 1) * kNR, kNR);
     }
-    for (int i = 0; i < MR; ++i) silu_mul_row(act + i * ldo + j * kNR, buf + 2 * i * kNR, buf + (2 * i + 1) * kNR, kNR);
-  }
+  });
 }
 
 // GGUF blocks, batch rows (qgemm_t's second path): each pair's gate and up chunks decoded into the
@@ -154,34 +156,29 @@ void q_gated_batch(float* act, const float* a, const uint8_t* w, int64_t m, int6
   const int64_t ps = nb * qchunk_bytes(f, kNR);
   const int64_t m_tiles = row_tiles(m, 2 * pairs);
   const int64_t mc = ((m + m_tiles - 1) / m_tiles + kMR - 1) / kMR * kMR;
-  const int64_t per_group = std::max<int64_t>(1, std::min<int64_t>(4, pairs * m_tiles / 64));  // qgemm_t's, in pairs
-  const int64_t groups = (pairs + per_group - 1) / per_group;
   const int64_t bpc = std::max<int64_t>(1, kQKC / f.block);
-#pragma omp parallel for schedule(static) collapse(2)
-  for (int64_t mt = 0; mt < m_tiles; ++mt) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t m0 = mt * mc, m1 = std::min(m, m0 + mc);
-      if (m0 >= m) continue;
-      alignas(64) float buf[kQKC * kNR];
-      static thread_local std::vector<float> scratch;
-      scratch.resize(static_cast<size_t>((m1 - m0) * 2 * kNR));
-      for (int64_t j = g * per_group; j < std::min(pairs, (g + 1) * per_group); ++j) {
-        for (int half = 0; half < 2; ++half)
-          for (int64_t b0 = 0; b0 < nb; b0 += bpc) {
-            const int64_t b1 = std::min(nb, b0 + bpc), kc = (b1 - b0) * f.block;
-            q_dequant<T>(w + (j + half * pairs) * ps, b0, b1, buf);
-            for (int64_t r = m0; r < m1; r += kMR)
-              micro_rows(static_cast<int>(std::min<int64_t>(kMR, m1 - r)), a + r * lda + b0 * f.block, lda,
-                         static_cast<const float*>(buf), kc, 0, kc, scratch.data() + (r - m0) * 2 * kNR + half * kNR,
-                         2 * kNR, 0, 1, kNR, b0 == 0);
-          }
-        for (int64_t r = m0; r < m1; ++r) {
-          const float* row = scratch.data() + (r - m0) * 2 * kNR;
-          silu_mul_row(act + r * ldo + j * kNR, row, row + kNR, kNR);
+  share_tiles(m_tiles, pairs, 1, true, [&](int64_t mt, int64_t j0, int64_t j1) {  // qgemm_t's, in pairs
+    const int64_t m0 = mt * mc, m1 = std::min(m, m0 + mc);
+    if (m0 >= m) return;
+    alignas(64) float buf[kQKC * kNR];
+    static thread_local std::vector<float> scratch;
+    scratch.resize(static_cast<size_t>((m1 - m0) * 2 * kNR));
+    for (int64_t j = j0; j < j1; ++j) {
+      for (int half = 0; half < 2; ++half)
+        for (int64_t b0 = 0; b0 < nb; b0 += bpc) {
+          const int64_t b1 = std::min(nb, b0 + bpc), kc = (b1 - b0) * f.block;
+          q_dequant<T>(w + (j + half * pairs) * ps, b0, b1, buf);
+          for (int64_t r = m0; r < m1; r += kMR)
+            micro_rows(static_cast<int>(std::min<int64_t>(kMR, m1 - r)), a + r * lda + b0 * f.block, lda,
+                       static_cast<const float*>(buf), kc, 0, kc, scratch.data() + (r - m0) * 2 * kNR + half * kNR,
+                       2 * kNR, 0, 1, kNR, b0 == 0);
         }
+      for (int64_t r = m0; r < m1; ++r) {
+        const float* row = scratch.data() + (r - m0) * 2 * kNR;
+        silu_mul_row(act + r * ldo + j * kNR, row, row + kNR, kNR);
       }
     }
-  }
+  });
 }
 
 template <int T>
@@ -252,8 +249,9 @@ void i8gemm_silu_impl(float* act, const float* a, const uint8_t* w, int64_t m, i
   const I8Packed W(w, 2 * f, k);
   const int64_t pairs = f / kI8NR;
   if (m <= 2) {  // decode, as i8gemm's
-#pragma omp parallel for schedule(static) if (2 * f * k > 32768)
-    for (int64_t j = 0; j < pairs; ++j) i8_gated_tile(A, W, static_cast<int>(m), 0, j, pairs, act, ldo);
+    share_tiles(1, pairs, 2, 2 * f * k > 32768, [&](int64_t, int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) i8_gated_tile(A, W, static_cast<int>(m), 0, j, pairs, act, ldo);
+    });
     return;
   }
   i8_schedule<kI8MR>(m, pairs, W.q, A.kp * kI8NR, [&](int mr, int64_t r, int64_t j) {
@@ -285,9 +283,10 @@ void qd_gated_t(float* act, const float* a, const uint8_t* w, int64_t m, int64_t
   const QdRows A = qd_rows_of(a, m, k, lda, qformat(T).group);
   const int64_t pairs = f / kI8NR, ps = A.ng * qd_chunk_bytes(qformat(T));
   if (m <= kQdMR) {  // decode, as qd_gemm_t's
-#pragma omp parallel for schedule(static) if (2 * f * k > 32768)
-    for (int64_t j = 0; j < pairs; ++j)
-      qd_gated_tile<T>(A, static_cast<int>(m), 0, j, w, ps, pairs, act, ldo, kQdAhead);
+    share_tiles(1, pairs, 2, 2 * f * k > 32768, [&](int64_t, int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j)
+        qd_gated_tile<T>(A, static_cast<int>(m), 0, j, w, ps, pairs, act, ldo, kQdAhead);
+    });
     return;
   }
   i8_schedule<kQdMR>(m, pairs, w, ps, [&](int mr, int64_t r, int64_t j) {

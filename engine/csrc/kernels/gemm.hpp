@@ -274,24 +274,6 @@ inline int64_t k_block(int64_t k) {
   return std::min(k, fallback);
 }
 
-// A GEMM's work over row tiles x panels (item mt * panels + p) in self-balancing thread shares
-// (shares.hpp): each thread streams its own contiguous share of the panels in memory order, as the
-// static split before did (a few panels a group had left one thread with twice the other's bytes
-// on 18-panel layers), then helps with the others'; run(mt, p0, p1) per chunk of one row tile.
-template <typename Run>
-inline void share_tiles(int64_t m_tiles, int64_t panels, int64_t chunk, bool parallel, Run&& run) {
-  const int team = parallel ? omp_get_max_threads() : 1;
-  Shares shares(m_tiles * panels, team);
-#pragma omp parallel num_threads(team) if (team > 1)
-  shares.run(omp_get_thread_num(), chunk, [&](int64_t lo, int64_t hi) {
-    while (lo < hi) {  // a chunk across the end of a row tile: its two parts
-      const int64_t mt = lo / panels, end = std::min(hi, (mt + 1) * panels);
-      run(mt, lo - mt * panels, end - mt * panels);
-      lo = end;
-    }
-  });
-}
-
 // Panels a thread takes at a time out of `items` (row tiles x panels): a decode pass's 4-panel group
 // (micro_rows); one panel of a batch, whose every row tile reads it whole, unless K is blocked:
 // then an eighth of a share, so that each block of A in L2 still serves several panels.

@@ -18,6 +18,7 @@
 #include <vector>
 #include "../vec/vec.hpp"
 #include "prefetch.hpp"
+#include "shares.hpp"
 
 namespace cpuserve {
 namespace {
@@ -151,27 +152,25 @@ inline void i8_tile(const I8Rows& A, int mr, int np, int64_t r, int64_t p, const
 }
 
 // The int8 GEMMs' batch schedule. Work items: a block of up to 256 rows (its codes stay in L2)
-// x a group of panels (each panel stays in L1/L2 while every row tile of the block runs over
-// it); tile(mr, r, p) computes rows [r, r + mr) x panel p. Each panel is `panel_bytes` from
-// `w`; the next one is prefetched a slice before each row tile (kernels/prefetch.hpp).
+// x a panel (it stays in L1/L2 while every row tile of the block runs over it), handed out in
+// self-balancing shares (shares.hpp); tile(mr, r, p) computes rows [r, r + mr) x panel p. Each
+// panel is `panel_bytes` from `w`; the next one is prefetched a slice before each row tile
+// (kernels/prefetch.hpp).
 template <int MR, typename Tile>
 inline void i8_schedule(int64_t m, int64_t panels, const void* w, int64_t panel_bytes, const Tile& tile) {
   constexpr int64_t kMC8 = 256;
   const int64_t m_blocks = (m + kMC8 - 1) / kMC8;
-  const int64_t per_group = std::max<int64_t>(1, std::min<int64_t>(4, panels * m_blocks / 16));
-  const int64_t groups = (panels + per_group - 1) / per_group;
-#pragma omp parallel for schedule(static) collapse(2)
-  for (int64_t mb = 0; mb < m_blocks; ++mb)
-    for (int64_t g = 0; g < groups; ++g)
-      for (int64_t p = g * per_group; p < std::min(panels, (g + 1) * per_group); ++p) {
-        const int64_t r0 = mb * kMC8, r1 = std::min(m, r0 + kMC8), tiles = (r1 - r0 + MR - 1) / MR;
-        const Prefetch next = Prefetch::bytes(static_cast<const char*>(w) + (p + 1) % panels * panel_bytes,
-                                              tiles > 1 ? panel_bytes : 0);
-        for (int64_t r = r0, t = 0; r < r1; r += MR, ++t) {
-          next.slice(t, tiles).issue();
-          tile(static_cast<int>(std::min<int64_t>(MR, m - r)), r, p);
-        }
+  share_tiles(m_blocks, panels, 1, true, [&](int64_t mb, int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t r0 = mb * kMC8, r1 = std::min(m, r0 + kMC8), tiles = (r1 - r0 + MR - 1) / MR;
+      const Prefetch next = Prefetch::bytes(static_cast<const char*>(w) + (p + 1) % panels * panel_bytes,
+                                            tiles > 1 ? panel_bytes : 0);
+      for (int64_t r = r0, t = 0; r < r1; r += MR, ++t) {
+        next.slice(t, tiles).issue();
+        tile(static_cast<int>(std::min<int64_t>(MR, m - r)), r, p);
       }
+    }
+  });
 }
 
 // The rows of A quantized per token into the calling thread's buffers (valid until its next call).
@@ -212,14 +211,15 @@ void i8gemm_impl(float* c, const float* a, const uint8_t* w, const float* bias, 
   const float* scales = W.scales;
   if (m <= 2) {  // decode: 4 panels at once for enough independent loads in flight
     const int64_t groups = (panels + 3) / 4;
-#pragma omp parallel for schedule(static) if (n * k > 32768)
-    for (int64_t g = 0; g < groups; ++g)
-      for (int64_t r = 0; r < m; ++r) {
-        const int64_t p = 4 * g;
-        if (p + 4 <= panels) i8_tile(A, 1, 4, r, p, wq, sums, scales, bias, c, n, ldc);
-        else
-          for (int64_t pp = p; pp < panels; ++pp) i8_tile(A, 1, 1, r, pp, wq, sums, scales, bias, c, n, ldc);
-      }
+    share_tiles(1, groups, 1, n * k > 32768, [&](int64_t, int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g)
+        for (int64_t r = 0; r < m; ++r) {
+          const int64_t p = 4 * g;
+          if (p + 4 <= panels) i8_tile(A, 1, 4, r, p, wq, sums, scales, bias, c, n, ldc);
+          else
+            for (int64_t pp = p; pp < panels; ++pp) i8_tile(A, 1, 1, r, pp, wq, sums, scales, bias, c, n, ldc);
+        }
+    });
     return;
   }
   i8_schedule<kI8MR>(m, panels, wq, kp * kI8NR, [&](int mr, int64_t r, int64_t p) {

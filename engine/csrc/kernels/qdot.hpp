@@ -321,9 +321,9 @@ void qd_gemm_t(float* c, const float* a, const uint8_t* w, const float* bias, in
   const QdRows A = qd_rows_of(a, m, k, lda, qformat(T).group);
   const int64_t panels = i8_panels(n), ps = A.ng * qd_chunk_bytes(qformat(T));
   if (m <= kQdMR) {  // decode: every row against each panel as it streams by
-#pragma omp parallel for schedule(static) if (n * k > 32768)
-    for (int64_t p = 0; p < panels; ++p)
-      qd_tile<T>(A, static_cast<int>(m), 0, p, w, ps, bias, c, n, ldc, kQdAhead);
+    share_tiles(1, panels, 4, n * k > 32768, [&](int64_t, int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) qd_tile<T>(A, static_cast<int>(m), 0, p, w, ps, bias, c, n, ldc, kQdAhead);
+    });
     return;
   }
   i8_schedule<kQdMR>(m, panels, w, ps, [&](int mr, int64_t r, int64_t p) {

@@ -324,21 +324,23 @@ void q_decode_gemm(float* c, const float* a, const uint8_t* w, const float* bias
                    int64_t lda, int64_t ldc) {
   const int64_t ps = nb * qchunk_bytes(qformat(T), kNR), panels = (n + kNR - 1) / kNR;
   const int64_t pairs = (panels + 1) / 2;
-#pragma omp parallel for schedule(static) if (n * nb * qformat(T).block > 32768)
-  for (int64_t g = 0; g < pairs; ++g) {
-    const int64_t p = 2 * g;
-    // two panels at once where their accumulators fit the registers (up to 2 rows), else one at a time
-    const bool two = MR <= 2 && (p + 2) * kNR <= n;
-    if constexpr (MR <= 2)
-      if (two) q_micro<T, MR, 2>(a, lda, w + p * ps, ps, nb, c + p * kNR, ldc, kNR, 2 * ps);
-    if (!two)
-      for (int64_t q = p; q < std::min(panels, p + 2); ++q)
-        q_micro<T, MR, 1>(a, lda, w + q * ps, ps, nb, c + q * kNR, ldc,
-                          static_cast<int>(std::min<int64_t>(kNR, n - q * kNR)), ps);
-    if (bias != nullptr)
-      for (int64_t r = 0; r < MR; ++r)
-        for (int64_t col = p * kNR; col < std::min(n, (p + 2) * kNR); ++col) c[r * ldc + col] += bias[col];
-  }
+  // pairs of panels in self-balancing shares, 2 pairs at a time (gemm_t's 4-panel decode chunks)
+  share_tiles(1, pairs, 2, n * nb * qformat(T).block > 32768, [&](int64_t, int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p = 2 * g;
+      // two panels at once where their accumulators fit the registers (up to 2 rows), else one at a time
+      const bool two = MR <= 2 && (p + 2) * kNR <= n;
+      if constexpr (MR <= 2)
+        if (two) q_micro<T, MR, 2>(a, lda, w + p * ps, ps, nb, c + p * kNR, ldc, kNR, 2 * ps);
+      if (!two)
+        for (int64_t q = p; q < std::min(panels, p + 2); ++q)
+          q_micro<T, MR, 1>(a, lda, w + q * ps, ps, nb, c + q * kNR, ldc,
+                            static_cast<int>(std::min<int64_t>(kNR, n - q * kNR)), ps);
+      if (bias != nullptr)
+        for (int64_t r = 0; r < MR; ++r)
+          for (int64_t col = p * kNR; col < std::min(n, (p + 2) * kNR); ++col) c[r * ldc + col] += bias[col];
+    }
+  });
 }
 
 template <int T>
@@ -365,31 +367,26 @@ void qgemm_t(float* c, const float* a, const uint8_t* w, const float* bias, int6
   }
   const int64_t m_tiles = row_tiles(m, panels);
   const int64_t mc = ((m + m_tiles - 1) / m_tiles + kMR - 1) / kMR * kMR;
-  const int64_t per_group = std::max<int64_t>(1, std::min<int64_t>(8, panels * m_tiles / 64));
-  const int64_t groups = (panels + per_group - 1) / per_group;
   const int64_t bpc = std::max<int64_t>(1, kQKC / f.block);
-#pragma omp parallel for schedule(static) collapse(2) if (m * n * k > 32768)
-  for (int64_t mt = 0; mt < m_tiles; ++mt) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t m0 = mt * mc, m1 = std::min(m, m0 + mc);
-      if (m0 >= m) continue;
-      alignas(64) float buf[kQKC * kNR];
-      const int64_t p0 = g * per_group, p1 = std::min(panels, p0 + per_group);
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t cols = std::min<int64_t>(kNR, n - p * kNR);
-        for (int64_t b0 = 0; b0 < nb; b0 += bpc) {
-          const int64_t b1 = std::min(nb, b0 + bpc), kc = (b1 - b0) * f.block;
-          q_dequant<T>(w + p * ps, b0, b1, buf);
-          for (int64_t r = m0; r < m1; r += kMR)
-            micro_rows(static_cast<int>(std::min<int64_t>(kMR, m1 - r)), a + r * lda + b0 * f.block, lda,
-                       static_cast<const float*>(buf), kc, 0, kc, c + r * ldc + p * kNR, ldc, 0, 1, cols, b0 == 0);
-        }
+  // one panel at a time (every row tile of the block runs over its chunks while they sit in L1)
+  share_tiles(m_tiles, panels, 1, m * n * k > 32768, [&](int64_t mt, int64_t p0, int64_t p1) {
+    const int64_t m0 = mt * mc, m1 = std::min(m, m0 + mc);
+    if (m0 >= m) return;
+    alignas(64) float buf[kQKC * kNR];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t cols = std::min<int64_t>(kNR, n - p * kNR);
+      for (int64_t b0 = 0; b0 < nb; b0 += bpc) {
+        const int64_t b1 = std::min(nb, b0 + bpc), kc = (b1 - b0) * f.block;
+        q_dequant<T>(w + p * ps, b0, b1, buf);
+        for (int64_t r = m0; r < m1; r += kMR)
+          micro_rows(static_cast<int>(std::min<int64_t>(kMR, m1 - r)), a + r * lda + b0 * f.block, lda,
+                     static_cast<const float*>(buf), kc, 0, kc, c + r * ldc + p * kNR, ldc, 0, 1, cols, b0 == 0);
       }
-      if (bias != nullptr)
-        for (int64_t r = m0; r < m1; ++r)
-          for (int64_t col = p0 * kNR; col < std::min(n, p1 * kNR); ++col) c[r * ldc + col] += bias[col];
     }
-  }
+    if (bias != nullptr)
+      for (int64_t r = m0; r < m1; ++r)
+        for (int64_t col = p0 * kNR; col < std::min(n, p1 * kNR); ++col) c[r * ldc + col] += bias[col];
+  });
 }
 
 // Row `id` of a packed weight (column id of W^T), dequantized: scalar, the same arithmetic.

@@ -699,6 +699,52 @@ TEST(QuantizedInt8Dot, GemmEqualsReferenceEveryTableAndBatchInvariant) {
   }
 }
 
+// The quantized and int8 GEMMs (plain and gated) hand out panels in self-balancing shares as the
+// float GEMMs do: 1, 2, 3 or 5 threads give the same bits, on decode rows (a pass of up to 8 rows,
+// 16 rows in two passes) and batch rows (one row tile, several, more than one 256-row int8 block).
+TEST(Quantized, SameBitsAnyThreadCountEveryTable) {
+  std::vector<const KernelTable*> tables = vector_tables();
+  tables.push_back(table_scalar());
+  const int before = omp_get_max_threads();
+  const int t = 3;  // Q4_1, the default model's type
+  const int64_t f = 192, k = 128;
+  const auto raw = random_gguf(t, 2 * f, k, 500);
+  std::mt19937 g(501);
+  std::vector<int8_t> w8(2 * f * k);
+  for (auto& v : w8) v = int8_t(int(g() % 256) - 128);
+  auto sw = randn(2 * f, 502, 0.01f), bias = randn(2 * f, 503);
+  for (auto& v : sw) v = std::fabs(v) + 1e-4f;
+  for (const KernelTable* tab : tables) {
+    std::vector<uint8_t> q(qpacked_bytes(t, 2 * f, k, tab->gemm_nr)), qd(tab->qdpacked_bytes(t, 2 * f, k)),
+        i8(tab->i8packed_bytes(2 * f, k));
+    tab->qpack(q.data(), raw.data(), t, 2 * f, k);
+    tab->qdpack(qd.data(), raw.data(), t, 2 * f, k);
+    tab->i8pack(i8.data(), w8.data(), sw.data(), 2 * f, k);
+    for (int64_t m : {1, 2, 16, 64, 300}) {
+      auto a = randn(m * k, 510 + m);
+      std::vector<std::vector<float>> want;
+      for (int threads : {1, 2, 3, 5}) {
+        omp_set_num_threads(threads);
+        std::vector<std::vector<float>> got(6, std::vector<float>(m * 2 * f));
+        tab->qgemm(got[0].data(), a.data(), q.data(), t, bias.data(), m, 2 * f, k, k, 2 * f);
+        tab->qgemm_silu(got[1].data(), a.data(), q.data(), t, m, f, k, k, f);
+        tab->qdgemm(got[2].data(), a.data(), qd.data(), t, bias.data(), m, 2 * f, k, k, 2 * f);
+        tab->qdgemm_silu(got[3].data(), a.data(), qd.data(), t, m, f, k, k, f);
+        tab->i8gemm(got[4].data(), a.data(), i8.data(), bias.data(), m, 2 * f, k, k, 2 * f, false);
+        tab->i8gemm_silu(got[5].data(), a.data(), i8.data(), m, f, k, k, f, true);
+        if (want.empty()) {
+          want = got;
+          continue;
+        }
+        for (int i = 0; i < 6; ++i)
+          ASSERT_EQ(0, std::memcmp(got[i].data(), want[i].data(), got[i].size() * 4))
+              << tab->isa << " kernel " << i << " m " << m << " threads " << threads;
+      }
+    }
+  }
+  omp_set_num_threads(before);
+}
+
 std::string name_of(const ::testing::TestParamInfo<const KernelTable*>& info) { return info.param->isa; }
 
 }  // namespace

@@ -48,16 +48,25 @@ build_one() {  # name arch containerfile inputs...
   images/base/mkbase.sh "$BUILD_ARCH"
   local start=$SECONDS log=$CACHE/logs/$name-$arch.log
   echo "$name $arch: building (log: $log)"
-  # BUILDPLATFORM given explicitly: buildah 1.28 (Debian bookworm) sets it to the target platform
-  if ! buildah build --isolation chroot --layers --pull=never --platform "linux/$arch" \
-      --build-arg "BUILDPLATFORM=linux/$BUILD_ARCH" \
-      --build-arg "BASE_IMAGE=$base" --build-arg "BUILD_IMAGE=localhost/cpuserve-base:bookworm-$BUILD_ARCH" \
-      --build-arg "VERSION=$VERSION" --build-arg "REVISION=$(revision "$@")" \
-      --build-arg "ISA_PATHS=${ISA_PATHS[$arch]}" --label "io.cpuserve.inputs=$key" \
-      --secret id=ca,src=/etc/ssl/certs/ca-certificates.crt \
-      -f "$file" -t "$tag" . >"$log" 2>&1; then
+  local attempt
+  for attempt in 1 2; do
+    # BUILDPLATFORM given explicitly: buildah 1.28 (Debian bookworm) sets it to the target platform
+    buildah build --isolation chroot --layers --pull=never --platform "linux/$arch" \
+        --build-arg "BUILDPLATFORM=linux/$BUILD_ARCH" \
+        --build-arg "BASE_IMAGE=$base" --build-arg "BUILD_IMAGE=localhost/cpuserve-base:bookworm-$BUILD_ARCH" \
+        --build-arg "VERSION=$VERSION" --build-arg "REVISION=$(revision "$@")" \
+        --build-arg "ISA_PATHS=${ISA_PATHS[$arch]}" --label "io.cpuserve.inputs=$key" \
+        --secret id=ca,src=/etc/ssl/certs/ca-certificates.crt \
+        -f "$file" -t "$tag" . >"$log" 2>&1 && break
+    # A RUN step now and then fails before it starts: "Close_Fd sealing memfd copy: Device or
+    # resource busy" (the sealed in-memory copy of its own binary that buildah's runtime makes,
+    # seen once in a 2026-11-28 build here; the same step passed when run again). The steps
+    # before it are cached layers, so the second try resumes at that step.
+    if [ "$attempt" = 1 ] && grep -q "sealing memfd copy" "$log"; then
+      echo "$name $arch: transient runtime error (sealing memfd copy), building again"; continue
+    fi
     tail -40 "$log"; echo "$name $arch: build FAILED (log: $log)"; return 1
-  fi
+  done
   echo "$name $arch: built in $((SECONDS - start)) s, $(podman image inspect --format '{{.Size}}' "$tag" | numfmt --to=iec) ($key)"
 }
 

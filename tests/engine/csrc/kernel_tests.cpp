@@ -700,8 +700,9 @@ TEST(QuantizedInt8Dot, GemmEqualsReferenceEveryTableAndBatchInvariant) {
 }
 
 // The quantized and int8 GEMMs (plain and gated) hand out panels in self-balancing shares as the
-// float GEMMs do: 1, 2, 3 or 5 threads give the same bits, on decode rows (a pass of up to 8 rows,
-// 16 rows in two passes) and batch rows (one row tile, several, more than one 256-row int8 block).
+// float GEMMs do: 1, 2, 3 or 5 threads give the same bits, on decode rows (1 and 2; 16 too, in two
+// 8-row passes, where the table has 32 vector registers) and batch rows (one row tile, several,
+// more than one 256-row int8 block).
 TEST(Quantized, SameBitsAnyThreadCountEveryTable) {
   std::vector<const KernelTable*> tables = vector_tables();
   tables.push_back(table_scalar());

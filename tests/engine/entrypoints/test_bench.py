@@ -6,10 +6,26 @@ import torch
 from cpuserve.entrypoints import bench
 
 
-def test_bounds():
-    b = bench.bounds(weight_bytes=500_000_000, params=125_000_000, read_gbs=25.0, gflops=250.0)
-    assert b["batch1_ms"] == pytest.approx(20.0)          # 0.5 GB at 25 GB/s
-    assert b["compute_tok_s"] == pytest.approx(1000.0)    # 250 GFLOP/s / 0.25 GFLOP a token
+def test_each_window_is_set_against_its_own_bandwidth():
+    """0.5 GB a token: a window at 25 GB/s taking 25 ms is at 80% of its 20 ms bound; a window at
+    50 GB/s taking 12.5 ms is at 80% too. Crossing them (the fast probe against the slow window)
+    would give 40%; the median window is reported with the range."""
+    r = bench.paired_fractions(500_000_000, [(25.0, 0.025), (50.0, 0.0125), (40.0, 0.0125)])
+    assert r["batch1_of_bound"] == pytest.approx(0.8)
+    assert r["batch1_of_bound_range"] == pytest.approx([0.8, 1.0])   # 12.5 ms bound at 40 GB/s, 12.5 ms taken
+    assert r["batch1_ms"] == pytest.approx(12.5) and r["read_gbs"] == pytest.approx(40.0)
+    assert r["batch1_bound_ms"] == pytest.approx(12.5) and r["read_gbs_range"] == pytest.approx([25.0, 50.0])
+    with pytest.raises(ValueError, match="no windows"):
+        bench.paired_fractions(1, [])
+
+
+def test_batch1_windows_probe_around_each_run(llm_f32, monkeypatch):
+    probes = iter([30.0, 33.0, 50.0, 41.0])
+    monkeypatch.setattr(bench, "read_bandwidth", lambda **kw: next(probes))
+    windows = bench.batch1_windows(llm_f32, tokens=3, windows=2, probe_gib=0.001)
+    assert [g for g, _ in windows] == [33.0, 50.0]   # the faster probe of each pair: the strict bound
+    assert all(0 < step < 10 for _, step in windows)
+    assert not llm_f32.engine.core.has_unfinished()
 
 
 def test_profile_of_a_decode_step(llm_f32):
@@ -51,6 +67,18 @@ def test_the_report_sets_our_kernel_beside_torch_on_the_same_shape():
     new = bench.format_report({"machine": {**machine, "torch_shape_gflops": {"float32": 76.4, "bfloat16": 31.0}},
                                "engines": {"float32": engine}})
     assert "float32 115; torch's F.linear on that shape float32 76, bfloat16 31" in new
+    assert "20.00 ms/token against a bound of 18.00 at 29.4 GB/s probed alongside (90%)" in old
+
+
+def test_the_report_gives_the_windows():
+    machine = {"threads": 2, "read_gbs": 35.0, "torch_gflops": {"float32": 196.0}, "kernel_gflops": {"bfloat16": 427.0}}
+    engine = {"weight_bytes": 256 << 20, "params": 134_000_000, "batch64_tok_s": 1200.0, "batch64_gflops": 320.0,
+              "batch64_of_kernel_peak": 0.75, "batch64_of_best_peak": 0.75, "profile": {},
+              **bench.paired_fractions(256 << 20, [(34.0, 0.0092), (55.0, 0.0060), (35.0, 0.0090)]),
+              "batch1_windows": [[34.0, 9.2], [55.0, 6.0], [35.0, 9.0]]}
+    text = bench.format_report({"machine": machine, "engines": {"bfloat16": engine}})
+    assert "batch 1: 9.00 ms/token (median of 3 windows), each window 85% of its own bandwidth bound" in text
+    assert "(median; 81-86%; read 34.0-55.0 GB/s around the windows, bound 7.67 ms at the median 35.0)" in text
 
 
 def test_torch_on_the_same_shape_is_measured():

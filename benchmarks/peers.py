@@ -277,13 +277,32 @@ def machine() -> dict:
             "cpu_quota": getattr(topo, "cpu_quota", None)}
 
 
+def rerun_refusal(stored: dict | None, here: dict) -> str | None:
+    """Why rows of this machine cannot join the table of `stored` (peers.json's machine), or
+    None: a PEERS_ONLY row set beside rows from another CPU would compare two machines in one
+    table under this machine's name."""
+    if not stored:
+        return "docs/bench/peers.json has no machine: run the full `make bench-peers` first"
+    differ = [k for k in ("cpu", "cpus", "isa_flags") if stored.get(k) != here.get(k)]
+    if not differ:
+        return None
+    return (f"PEERS_ONLY: docs/bench/peers.json is from {stored.get('cpu')} ({stored.get('cpus')} CPUs, "
+            f"{stored.get('date')}), this machine is {here.get('cpu')} ({here.get('cpus')} CPUs): its "
+            f"{', '.join(differ)} differ. Rows from two machines would share one table: run the full "
+            "`make bench-peers` (without PEERS_ONLY) on this machine")
+
+
 def main() -> None:
     """Every workload of every engine; with PEERS_ONLY="section:name,..." (e.g. "serving:llama.cpp
-    Q4_1"), only those, the others kept from the last docs/bench/peers.json."""
-    gguf, hf_dir = models()
+    Q4_1"), only those, the others kept from the last docs/bench/peers.json (refused when that run
+    was on another machine)."""
     only = {tuple(x.split(":", 1)) for x in filter(None, os.environ.get("PEERS_ONLY", "").split(","))}
     res: dict = json.loads((OUT / "peers.json").read_text()) if only else {"offline": {}, "serving": {}}
-    res["machine"] = machine()
+    here = machine()
+    if only and (why := rerun_refusal(res.get("machine"), here)):
+        raise SystemExit(why)
+    gguf, hf_dir = models()
+    res["machine"] = here
 
     def run(section: str, key: str, fn) -> None:
         if not only or (section, key) in only:

@@ -1,0 +1,27 @@
+"""`make bench-peers` with PEERS_ONLY reruns some rows and keeps the others: only on the machine
+the kept rows came from."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import peers  # noqa: E402
+
+ZEN3 = {"cpu": "AMD EPYC (family 25, model 1: Zen 3)", "cpus": 2, "isa_flags": ["avx", "avx2", "f16c", "fma"],
+        "date": "2026-11-28", "cpu_quota": None}
+ZEN4 = {**ZEN3, "cpu": "AMD EPYC (family 25, model 17: Zen 4)",
+        "isa_flags": ["avx", "avx2", "avx512_bf16", "avx512f", "f16c", "fma"]}
+
+
+def test_rows_join_a_table_from_the_same_machine():
+    assert peers.rerun_refusal(ZEN3, {**ZEN3, "date": "2026-11-29", "cpu_quota": 2.0}) is None
+
+
+def test_rows_from_another_machine_are_refused_with_both_names():
+    why = peers.rerun_refusal(ZEN3, ZEN4)
+    assert "Zen 3" in why and "Zen 4" in why and "cpu, isa_flags differ" in why
+    assert "run the full `make bench-peers`" in why
+    assert "cpus differ" in peers.rerun_refusal(ZEN3, {**ZEN3, "cpus": 4})
+
+
+def test_no_stored_run_is_refused():
+    assert "run the full `make bench-peers` first" in peers.rerun_refusal(None, ZEN3)

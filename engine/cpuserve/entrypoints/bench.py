@@ -18,6 +18,7 @@ The bound arithmetic is pure (`paired_fractions`); the rest measures."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -196,8 +197,6 @@ def decode_steps(llm, batch: int, tokens: int, prompt_len: int = 16) -> tuple[fl
 
 
 def _timed_steps(llm, batch: int, tokens: int, prompt_len: int, profile: bool = True) -> tuple[float, dict]:
-    import contextlib
-
     from cpuserve import SamplingParams
 
     core = llm.engine.core

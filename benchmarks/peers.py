@@ -477,8 +477,9 @@ def plot(res: dict) -> None:
         if "error" not in r:
             axes[2].plot([lv["concurrency"] for lv in r["levels"]], [lv["tok_s"] for lv in r["levels"]], "o-", label=name)
     axes[2].set_xscale("log", base=2)
-    axes[2].set_title("serving: output tok/s by concurrency")
-    axes[2].legend()
+    axes[2].set_title("serving: output tok/s")
+    axes[2].set_xlabel("concurrent streams")
+    axes[2].legend(fontsize="small")
     fig.suptitle(f"{res['machine']['cpu']}, {res['machine']['cpus']} CPUs, {res['machine']['date']}")
     fig.tight_layout()
     fig.savefig(OUT / "peers.png", dpi=110)

@@ -144,7 +144,8 @@ def alternating_batch1(gguf: Path, rounds: int = int(os.environ.get("PEERS_BATCH
     """Batch-1 decode of cpuserve and llama.cpp on the same weights (float32, Q4_1), the engines
     taking turns round by round: each round's runs meet the same minute of this machine's memory
     bandwidth, which the one-engine-at-a-time table cannot promise. {name: {batch1_ms, read_gbs:
-    [min, median]}}."""
+    [min, median], rounds: [[ms, GB/s], ...] in order}}: every round is kept, so that a median
+    that met slow minutes can be read run by run."""
     f32 = llama_files(gguf)["F32"]
     engines = {"cpuserve float32": lambda: python_offline("cpuserve", "float32", gguf, batch1_only=True)["batch1_ms"],
                "llama.cpp F32": lambda: llama_batch1_ms(f32),
@@ -156,8 +157,9 @@ def alternating_batch1(gguf: Path, rounds: int = int(os.environ.get("PEERS_BATCH
             before = read_gbs()
             ms = fn()
             runs[name].append((ms, max(before, read_gbs())))
-    return {name: {key: [min(r[i] for r in rs), statistics.median(r[i] for r in rs)]
-                   for i, key in enumerate(("batch1_ms", "read_gbs"))} for name, rs in runs.items()}
+    return {name: {**{key: [min(r[i] for r in rs), statistics.median(r[i] for r in rs)]
+                      for i, key in enumerate(("batch1_ms", "read_gbs"))}, "rounds": [list(r) for r in rs]}
+            for name, rs in runs.items()}
 
 
 # -- serving ----------------------------------------------------------------------------------------
@@ -434,11 +436,13 @@ def alternating_table(alt: dict | None) -> list[str]:
     lines = ["", f"Batch-1 decode with the engines taking turns, {rounds} rounds (cpuserve float32, llama.cpp F32, "
              "cpuserve Q4_1, llama.cpp Q4_1 in each round, the read bandwidth probed around every run), so that both "
              "sides of a ratio meet the same minutes of this machine:", "",
-             "| engine | batch-1 ms/token min / median | read GB/s min / median | ratio |", "|---|---|---|---|"]
+             "| engine | batch-1 ms/token min / median | read GB/s min / median | ratio | each round: ms (GB/s) |",
+             "|---|---|---|---|---|"]
     for name, r in alt.items():
         peer = alt.get(name.replace("cpuserve float32", "llama.cpp F32").replace("cpuserve Q4_1", "llama.cpp Q4_1"))
         rat = ratio(r["batch1_ms"], peer["batch1_ms"], "batch1_ms") if name.startswith("cpuserve") and peer else ""
-        lines.append(f"| {name} | {fmt(r['batch1_ms'], 2)} | {fmt(r['read_gbs'], 1)} | {rat} |")
+        each = ", ".join(f"{ms:.2f} ({gbs:.0f})" for ms, gbs in r.get("rounds", [])) or "–"
+        lines.append(f"| {name} | {fmt(r['batch1_ms'], 2)} | {fmt(r['read_gbs'], 1)} | {rat} | {each} |")
     return lines
 
 

@@ -25,3 +25,14 @@ def test_rows_from_another_machine_are_refused_with_both_names():
 
 def test_no_stored_run_is_refused():
     assert "run the full `make bench-peers` first" in peers.rerun_refusal(None, ZEN3)
+
+
+def test_alternating_rounds_are_shown_run_by_run():
+    alt = {"cpuserve float32": {"batch1_ms": [10.0, 16.0], "read_gbs": [34.0, 52.0],
+                                "rounds": [[16.0, 52.0], [10.0, 34.0], [17.0, 55.0]]},
+           "llama.cpp F32": {"batch1_ms": [13.0, 16.0], "read_gbs": [33.0, 34.0]}}
+    lines = peers.alternating_table(alt)
+    ours = next(line for line in lines if line.startswith("| cpuserve float32 |"))
+    assert ours.endswith("| 16.00 (52), 10.00 (34), 17.00 (55) |")
+    # a stored run from before rounds were kept still reads
+    assert next(line for line in lines if line.startswith("| llama.cpp F32 |")).endswith("|  | – |")

@@ -153,10 +153,17 @@ PYBIND11_MODULE(_C, m) {
                throw std::invalid_argument("decoder layer shapes do not fit together");
              st.add_layer(L);
            })
-      .def("run", [](DecoderStack& st, uintptr_t h, uintptr_t residual, bool residual_valid, int64_t tokens,
-                     uintptr_t positions, uintptr_t slots, uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens,
-                     uintptr_t qsl, int64_t num_seqs) {
-             st.run(ptr<float>(h), ptr<float>(residual), residual_valid,
+      .def("set_embedding", [](DecoderStack& st, uintptr_t table, int dtype, int64_t rows) {
+             st.set_embedding(ptr<const void>(table), to_dtype(dtype), rows);
+           })
+      .def("set_final_norm", [](DecoderStack& st, uintptr_t w, float eps) {
+             st.set_final_norm(ptr<const float>(w), eps);
+           })
+      // ids: token ids to look up in the embedding (0: h holds the embeddings)
+      .def("run", [](DecoderStack& st, uintptr_t ids, uintptr_t h, uintptr_t residual, bool residual_valid,
+                     int64_t tokens, uintptr_t positions, uintptr_t slots, uintptr_t tables, int64_t max_blocks,
+                     uintptr_t seq_lens, uintptr_t qsl, int64_t num_seqs) {
+             st.run(ids ? ptr<const int64_t>(ids) : nullptr, ptr<float>(h), ptr<float>(residual), residual_valid,
                     {tokens, ptr<const int64_t>(positions), ptr<const int64_t>(slots), ptr<const int32_t>(tables),
                      max_blocks, ptr<const int32_t>(seq_lens), ptr<const int32_t>(qsl), num_seqs});
            }, G());

@@ -1,8 +1,8 @@
 """The Llama-family decoder stack in one native call per step (cpuserve._C.DecoderStack):
-the kernels the Python layers call, in their order, on the same weights and KV caches,
-so the results are the same bit for bit, without a Python round trip per operator
-(about 10 kernel calls a layer). One rank only: with tensor parallelism the Python
-layers run, as they hold the all-reduces.
+the embedding lookup, the kernels the Python layers call, in their order, on the same
+weights and KV caches, and the final norm, so the results are the same bit for bit,
+without a Python round trip per operator (about 10 kernel calls a layer). One rank only:
+with tensor parallelism the Python layers run, as they hold the all-reduces.
 
 CPUSERVE_NATIVE_STEP=0 (or `ENABLED = False`) runs the Python layers instead, e.g. to
 profile each kernel from Python (`cpuserve bench`)."""
@@ -40,11 +40,31 @@ def _ptr(t) -> int:
     return t.data_ptr() if t is not None else 0
 
 
-class NativeDecoder:
-    """Built from a model's decoder layers once their KV caches are bound."""
+def _native_table(embed, hidden: int) -> torch.Tensor | None:
+    """The embedding's table where the stack can look tokens up in it itself (a plain float32 or
+    bfloat16 table [rows, hidden], no scale), else None (the Python embedding runs first: GGUF
+    blocks, float16, Gemma's scale)."""
+    w = getattr(embed, "weight", None)
+    if (not isinstance(w, torch.Tensor) or getattr(embed, "scale", None) is not None or w.dim() != 2
+            or w.shape[1] != hidden or w.dtype not in (torch.float32, torch.bfloat16) or not w.is_contiguous()):
+        return None
+    return w
 
-    def __init__(self, layers: list, hidden: int, intermediate: int, k=ops.KERNELS):
-        self.stack = _C.DecoderStack(k, hidden, intermediate)
+
+class NativeDecoder:
+    """Built from a model's embedding, decoder layers and final norm once its KV caches are bound."""
+
+    def __init__(self, model, k=ops.KERNELS):
+        layers = model.layers
+        c = layers[0]
+        self.hidden = c.input_norm.weight.shape[0]
+        self.stack = _C.DecoderStack(k, self.hidden, c.down.weight.k)
+        self.embed = model.embed
+        table = _native_table(model.embed, self.hidden)
+        if table is not None:
+            self.stack.set_embedding(table.data_ptr(), ops.DTYPE_CODES[table.dtype], table.shape[0])
+        self.native_embed = table is not None
+        self.stack.set_final_norm(model.norm.weight.data_ptr(), model.norm.eps)
         self.cache_ptr = layers[0].attn.k_cache.data_ptr()
         for layer in layers:
             a, r = layer.attn, layer.rotary
@@ -64,25 +84,33 @@ class NativeDecoder:
         return ENABLED and bool(layers) and all(
             getattr(layer, "native_ok", False) and layer.attn.k_cache is not None for layer in layers)
 
-    def __call__(self, h: torch.Tensor, positions: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [T, hidden] (the embeddings) -> (last layer's output, residual), both [T, hidden]."""
-        h = h.contiguous()
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """input ids [T] -> the final norm's output [T, hidden] (the model's forward)."""
+        ids = input_ids.reshape(-1)
+        if self.native_embed:
+            ids = ids.to(torch.int64).contiguous()
+            h = torch.empty((ids.shape[0], self.hidden), dtype=torch.float32)
+        else:
+            h = self.embed(ids).contiguous()
         residual = torch.empty_like(h)
         bt = ctx.block_tables
-        self.stack.run(h.data_ptr(), residual.data_ptr(), False, h.shape[0], positions.data_ptr(),
-                       ctx.slot_mapping.data_ptr(), bt.data_ptr(), bt.shape[1], ctx.seq_lens.data_ptr(),
-                       ctx.query_start_loc.data_ptr(), ctx.seq_lens.shape[0])
-        return h, residual
+        self.stack.run(ids.data_ptr() if self.native_embed else 0, h.data_ptr(), residual.data_ptr(), False,
+                       h.shape[0], positions.data_ptr(), ctx.slot_mapping.data_ptr(), bt.data_ptr(), bt.shape[1],
+                       ctx.seq_lens.data_ptr(), ctx.query_start_loc.data_ptr(), ctx.seq_lens.shape[0])
+        return h
 
 
 def decoder_for(model):
     """The model's NativeDecoder, (re)built when its KV caches were (re)bound; None where the
     Python layers must run."""
+    nd = getattr(model, "_native", None)
+    # the check a step makes: one pointer (applies() reads every layer: 40 us a decode step, the
+    # Python objects cold after the weights streamed through the caches)
+    if ENABLED and nd is not None and nd.cache_ptr == _ptr(model.layers[0].attn.k_cache):
+        return nd
     if not NativeDecoder.applies(model):
         return None
-    nd = getattr(model, "_native", None)
     if nd is None or nd.cache_ptr != model.layers[0].attn.k_cache.data_ptr():
-        c = model.layers[0]
-        nd = NativeDecoder(model.layers, c.input_norm.weight.shape[0], c.down.weight.k)
+        nd = NativeDecoder(model)
         model._native = nd
     return nd

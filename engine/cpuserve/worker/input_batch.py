@@ -34,23 +34,27 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int) -> tuple[torch.Tensor
         if end == len(seq):
             logits_idx.append(qsl[-1] - 1)
             samplers.append(seq)
+    t = len(ids)
+    # two tensors made from lists and sliced (each torch.tensor of a list costs several
+    # microseconds a decode step, its Python and torch state cold after the weights streamed)
+    longs = torch.tensor(ids + positions + slots + logits_idx, dtype=torch.int64)
+    ints = torch.tensor(seq_lens + qsl, dtype=torch.int32)
+    n_seqs = len(seq_lens)
     ctx = ForwardContext(
-        positions=torch.tensor(positions, dtype=torch.int64),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        positions=longs[t:2 * t],
+        slot_mapping=longs[2 * t:3 * t],
         block_tables=block_tables([s.block_table for s in batch.seqs]),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        logits_indices=torch.tensor(logits_idx, dtype=torch.int64),
+        seq_lens=ints[:n_seqs],
+        query_start_loc=ints[n_seqs:],
+        logits_indices=longs[3 * t:],
     )
-    return torch.tensor(ids, dtype=torch.int64), ctx, samplers
+    return longs[:t], ctx, samplers
 
 
 def block_tables(tables: list[list[int]]) -> torch.Tensor:
     """int32 [sequences, longest table], zero-padded."""
-    out = torch.zeros((len(tables), max(len(t) for t in tables)), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        out[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    return out
+    width = max(len(t) for t in tables)
+    return torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
 
 
 def scoring_inputs(token_ids: list[int], table: list[int], block_size: int) -> tuple[torch.Tensor, ForwardContext]:

@@ -333,7 +333,10 @@ class ModelRunner:
             set_context(None)
         if not want_logits:
             return None
-        return self.model.compute_logits(hidden[ctx.logits_indices].contiguous())
+        rows = ctx.logits_indices
+        # the sampled rows increase (one a sequence at most): as many as the rows only when they are
+        # every row in order (a decode-only step), which needs no gather
+        return self.model.compute_logits(hidden if rows.shape[0] == hidden.shape[0] else hidden[rows].contiguous())
 
 
 def max_model_len(hf_config, want: int | None) -> int:

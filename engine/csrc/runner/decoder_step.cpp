@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 namespace cpuserve {
 
@@ -87,7 +89,32 @@ void DecoderStack::gated_mlp_input(const LinearDesc& gu, const float* h, int64_t
   t_->silu_and_mul(act_.data(), gate_up_.data(), T, inter_, 2 * inter_, inter_);
 }
 
-void DecoderStack::run(float* h, float* residual, bool residual_valid, const StepMeta& m) {
+void DecoderStack::set_embedding(const void* table, DType dt, int64_t rows) {
+  if (dt != DType::F32 && dt != DType::BF16) throw std::invalid_argument("embedding table: float32 or bfloat16");
+  table_ = table, table_dt_ = dt, table_rows_ = rows;
+}
+
+// h[t] = table[ids[t]] widened to float32 (torch's index then .float(): the same values).
+void DecoderStack::embed(const int64_t* ids, float* h, int64_t T) const {
+  if (table_ == nullptr) throw std::invalid_argument("token ids given to a decoder stack without an embedding");
+  const int64_t H = hidden_;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t id = ids[t];
+    if (id < 0 || id >= table_rows_)
+      throw std::out_of_range("token id " + std::to_string(id) + " outside the embedding's " +
+                              std::to_string(table_rows_) + " rows");
+    float* out = h + t * H;
+    if (table_dt_ == DType::F32) {
+      std::memcpy(out, static_cast<const float*>(table_) + id * H, sizeof(float) * H);
+      continue;
+    }
+    const bf16* row = static_cast<const bf16*>(table_) + id * H;
+    for (int64_t e = 0; e < H; ++e) out[e] = to_float(row[e]);
+  }
+}
+
+void DecoderStack::run(const int64_t* ids, float* h, float* residual, bool residual_valid, const StepMeta& m) {
+  if (ids != nullptr) embed(ids, h, m.tokens);
   int64_t qkv_w = 0, q_w = 0;
   bool unfused = false;  // a layer whose gate/up goes through gate_up_ (most models: none)
   for (const DecoderLayerDesc& L : layers_) {
@@ -105,6 +132,8 @@ void DecoderStack::run(float* h, float* residual, bool residual_valid, const Ste
     layer(L, h, residual, first, m);
     first = false;
   }
+  if (final_norm_ != nullptr)
+    t_->fused_add_rms_norm(h, residual, final_norm_, m.tokens, hidden_, hidden_, hidden_, final_eps_);
 }
 
 }  // namespace cpuserve

@@ -53,3 +53,23 @@ def test_not_for_tensor_parallel_layers():
     class Layer:
         native_ok, attn = False, type("A", (), {"k_cache": torch.zeros(1)})()
     assert not native_step.NativeDecoder.applies(type("M", (), {"layers": [Layer()]})())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stack_looks_tokens_up_as_torch_does(dtype):
+    """The stack's own embedding lookup (no layers here): torch's index and .float(), and a clear
+    error for an id outside the table (never read)."""
+    from cpuserve import _C
+    from cpuserve.model_executor import ops
+    table = torch.randn(10, 8).to(dtype)
+    stack = _C.DecoderStack(ops.KERNELS, 8, 16)
+    stack.set_embedding(table.data_ptr(), ops.DTYPE_CODES[dtype], 10)
+    ids = torch.tensor([3, 0, 9, 3])
+    h, res = torch.full((4, 8), float("nan")), torch.empty(4, 8)
+    z = torch.zeros(4, dtype=torch.int32)
+    run = lambda ids: stack.run(ids.data_ptr(), h.data_ptr(), res.data_ptr(), False, ids.shape[0], 0, 0,
+                                z.data_ptr(), 1, z.data_ptr(), z.data_ptr(), 1)
+    run(ids)
+    assert torch.equal(h, table[ids].float())
+    with pytest.raises(IndexError, match="token id 10 outside the embedding's 10 rows"):
+        run(torch.tensor([1, 10]))

@@ -73,12 +73,11 @@ class LlamaForCausalLM(CausalLM):
 
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h, residual = self.embed(input_ids), None
         native = native_step.decoder_for(self)
         if native is not None:  # the same kernels in one native call
-            h, residual = native(h, positions, get_context())
-        else:
-            for layer in self.layers:
-                h, residual = layer(positions, h, residual)
+            return native(input_ids, positions, get_context())
+        h, residual = self.embed(input_ids), None
+        for layer in self.layers:
+            h, residual = layer(positions, h, residual)
         h, _ = self.norm(h, residual)
         return h

@@ -171,6 +171,12 @@ template <int MR, int NP, typename T, typename TA = AOf<T>>
     }
   int64_t pf_line = pf.first, pf_acc = 0;
   for (int64_t kk = 0; kk < kc; ++kk) {
+    if constexpr (NP > 1) {  // decode reads each weight once: the next step's lines marked non-temporal
+      if (kk + 1 < kc)
+        for (int q = 0; q < NP; ++q)
+          for (int64_t o = 0; o < static_cast<int64_t>(kNR * sizeof(T)); o += 64)
+            prefetch_nta(reinterpret_cast<const char*>(b + q * panel_stride + (kk + 1) * kNR) + o);
+    }
     for (int h = 0; h < kSubSteps<T>; ++h) {  // bf16p: k, then k + 1 of the pairs at kk
       if constexpr (NP > 1) {
         // decode (MR <= 2): each panel's two weight vectors used as soon as they are loaded, so

@@ -70,9 +70,9 @@ class DecoderStack {
   // h [T, hidden] in: the embeddings of `ids` (looked up here where ids is given), else the
   // embeddings (residual_valid false) or the previous layer's output; out: the last layer's
   // output (after the final norm where one is set), residual [T, hidden] its residual stream.
-  // Both lookups and the final norm are the Python model's own kernels and conversions, here
-  // to spare a decode step two Python calls (about 100 us with its state cold after the weights
-  // streamed through the caches: 1.5% of a bfloat16 batch-1 step).
+  // The lookup and the final norm are the Python model's own conversion and kernel, done here
+  // to spare a decode step two Python calls (about 100 us with their state cold after the
+  // weights streamed through the caches: 1.5% of a bfloat16 batch-1 step).
   void run(const int64_t* ids, float* h, float* residual, bool residual_valid, const StepMeta& m);
 
  private:

@@ -110,7 +110,6 @@ def decoder_for(model):
         return nd
     if not NativeDecoder.applies(model):
         return None
-    if nd is None or nd.cache_ptr != model.layers[0].attn.k_cache.data_ptr():
-        nd = NativeDecoder(model)
-        model._native = nd
-    return nd
+    # applies() holds ENABLED, so here there is no stack yet or its caches were rebound
+    model._native = NativeDecoder(model)
+    return model._native

@@ -73,6 +73,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("bind_omp_threads", &cpuserve::bind_omp_threads, py::arg("cpus"), py::arg("mem_node") = -1,
         "pin OpenMP thread i to cpus[i] (and bind its memory); returns (affinity errno, mempolicy errno)");
   m.def("omp_thread_cpus", &cpuserve::omp_thread_cpus);
+  m.def("line_transfer_ns", &cpuserve::line_transfer_ns, py::arg("rounds") = 20000, py::arg("trials") = 3,
+        py::call_guard<py::gil_scoped_release>());
   m.def("populate", [](uintptr_t p, size_t n) {
     py::gil_scoped_release release;
     return cpuserve::populate(reinterpret_cast<void*>(p), n);

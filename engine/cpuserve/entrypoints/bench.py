@@ -9,7 +9,10 @@ time goes.
   peak. Measured decode (batch 1, and 64 sequences) as a fraction of each bound. A shared
   machine's read bandwidth moves in phases of minutes (34 and 55 GB/s minutes apart on one
   Zen 4 VM), so batch 1 is measured in short windows, each bracketed by its own probe, and each
-  window is set against the bound of its own minute (`paired_fractions`).
+  window is set against the bound of its own minute (`paired_fractions`). Beside each probe,
+  how long a cache line takes between the OpenMP threads (`_C.line_transfer_ns`): tens of ns
+  where their cores share an L3, over a hundred across dies or sockets, where every parallel
+  region's fork and barrier costs as much more (a VM's host may move its vCPUs between the two).
 - The profile of one decode step at batch 1 and 64: GEMMs, attention, each other kernel
   (norms, rotary, activation, cache writes), the sampler, and the rest (Python, scheduling,
   input preparation), from timers around each kernel call.
@@ -34,6 +37,7 @@ class Machine:
     torch_gflops: dict              # dtype name -> GFLOP/s, torch.mm at 2048^3
     kernel_gflops: dict             # dtype name -> GFLOP/s, ops.linear on the model's shape
     torch_shape_gflops: dict = field(default_factory=dict)  # float32/bfloat16: torch's F.linear on that shape
+    line_ns: float | None = None    # a cache line between OpenMP thread 0 and the slowest other, one way
 
 
 def _best(fn, repeats: int) -> float:
@@ -55,32 +59,42 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 10, buffer: torch.Tensor | N
     return x.numel() * 4 / _best(lambda: ops.read_sum(x), repeats) / GB
 
 
-def paired_fractions(weight_bytes: int, windows: list[tuple[float, float]]) -> dict:
+def line_transfer_ns() -> float | None:
+    """ns one way for a cache line between OpenMP thread 0 and the slowest other thread of the
+    pool (None with one thread, or where a pair shares a CPU and gave up)."""
+    from cpuserve import _C
+
+    ns = _C.line_transfer_ns()
+    return max(ns) if ns and min(ns) > 0 else None
+
+
+def paired_fractions(weight_bytes: int, windows: list[tuple]) -> dict:
     """Batch 1 against the bandwidth bound window by window: `windows` holds (GB/s probed around
-    the window, seconds per token in it). Each window's fraction is its own bound over its own
+    the window, seconds per token in it, anything else). Each window's fraction is its own bound over its own
     step, so a fast probe minute is never set against a slow decode minute or the reverse.
     Returns the median, min and max fraction, the median step (ms) and the bound (ms) at the
     median bandwidth."""
     if not windows:
         raise ValueError("paired_fractions: no windows")
-    fractions = sorted(weight_bytes / (gbs * GB) / step for gbs, step in windows)
-    steps = sorted(step for _, step in windows)
-    gbs = sorted(g for g, _ in windows)
+    fractions = sorted(weight_bytes / (w[0] * GB) / w[1] for w in windows)
+    steps = sorted(w[1] for w in windows)
+    gbs = sorted(w[0] for w in windows)
     mid = len(windows) // 2
     return {"batch1_of_bound": fractions[mid], "batch1_of_bound_range": [fractions[0], fractions[-1]],
             "batch1_ms": steps[mid] * 1e3, "batch1_bound_ms": weight_bytes / (gbs[mid] * GB) * 1e3,
             "read_gbs": gbs[mid], "read_gbs_range": [gbs[0], gbs[-1]]}
 
 
-def batch1_windows(llm, tokens: int, windows: int = 5, probe_gib: float = 0.5) -> list[tuple[float, float]]:
-    """(GB/s, seconds per token) of `windows` short batch-1 decode runs, each between two probes
-    of the read bandwidth (the faster of the two: the strict bound)."""
+def batch1_windows(llm, tokens: int, windows: int = 5, probe_gib: float = 0.5) -> list[tuple]:
+    """(GB/s, seconds per token, line ns) of `windows` short batch-1 decode runs, each between two
+    probes of the read bandwidth (the faster of the two: the strict bound), with the threads'
+    cache-line transfer (`line_transfer_ns`) measured after them."""
     buffer = torch.rand(int(probe_gib * (1 << 30)) // 4, dtype=torch.float32)
     out = []
     for _ in range(windows):
         before = read_bandwidth(repeats=3, buffer=buffer)
         step, _ = _timed_steps(llm, 1, tokens, 16, profile=False)
-        out.append((max(before, read_bandwidth(repeats=3, buffer=buffer)), step))
+        out.append((max(before, read_bandwidth(repeats=3, buffer=buffer)), step, line_transfer_ns()))
     return out
 
 
@@ -133,7 +147,7 @@ def measure_machine(hidden: int, ffn: int) -> Machine:
     return Machine(torch.get_num_threads(), read_bandwidth(),
                    {k: torch_gemm_gflops(d) for k, d in kinds.items()},
                    {k: kernel_gflops(d, 64, hidden, ffn) for k, d in {**kinds, **{q: q for q in ("gguf", "gguf-int8", "w8a8")}}.items()},
-                   {k: torch_linear_gflops(d, 64, hidden, ffn) for k, d in kinds.items()})
+                   {k: torch_linear_gflops(d, 64, hidden, ffn) for k, d in kinds.items()}, line_transfer_ns())
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -262,7 +276,7 @@ def run(dtypes=ENGINES, batch: int = 64, tokens: int = 32) -> dict:
         peak = max(machine.kernel_gflops[dtype], machine.torch_gflops["float32"])
         out["engines"][dtype] = {
             "weight_bytes": weight_bytes, "params": params, **paired_fractions(weight_bytes, windows),
-            "batch1_windows": [[gbs, step * 1e3] for gbs, step in windows], f"batch{batch}_tok_s": batch / big,
+            "batch1_windows": [[gbs, step * 1e3, ns] for gbs, step, ns in windows], f"batch{batch}_tok_s": batch / big,
             f"batch{batch}_gflops": 2 * params * batch / big / GB,
             f"batch{batch}_of_kernel_peak": 2 * params * batch / big / GB / machine.kernel_gflops[dtype],
             f"batch{batch}_of_best_peak": 2 * params * batch / big / GB / peak,
@@ -278,10 +292,12 @@ def _batch1_text(e: dict, m: dict) -> str:
                 f"{e.get('read_gbs', m['read_gbs']):.1f} GB/s probed alongside ({100 * e['batch1_of_bound']:.0f}%)")
     lo, hi = e["batch1_of_bound_range"]
     g_lo, g_hi = e["read_gbs_range"]
+    ns = sorted(w[2] for w in e["batch1_windows"] if len(w) > 2 and w[2] is not None)
     return (f"{e['batch1_ms']:.2f} ms/token (median of {len(e['batch1_windows'])} windows), each window "
             f"{100 * e['batch1_of_bound']:.0f}% of its own bandwidth bound (median; {100 * lo:.0f}-{100 * hi:.0f}%; "
             f"read {g_lo:.1f}-{g_hi:.1f} GB/s around the windows, bound {e['batch1_bound_ms']:.2f} ms at the median "
-            f"{e['read_gbs']:.1f})")
+            f"{e['read_gbs']:.1f}" + (f"; a cache line between the threads {ns[0]:.0f}-{ns[-1]:.0f} ns" if ns else "")
+            + ")")
 
 
 def format_report(r: dict, batch: int = 64) -> str:
@@ -290,7 +306,8 @@ def format_report(r: dict, batch: int = 64) -> str:
              + ", ".join(f"{k} {v:.0f}" for k, v in m["torch_gflops"].items()) + "; cpuserve kernel [64 x hidden] x "
              "[hidden x ffn] " + ", ".join(f"{k} {v:.0f}" for k, v in m["kernel_gflops"].items())
              + ("; torch's F.linear on that shape " + ", ".join(f"{k} {v:.0f}" for k, v in m["torch_shape_gflops"].items())
-                if m.get("torch_shape_gflops") else ""), ""]
+                if m.get("torch_shape_gflops") else "")
+             + (f"; a cache line between the threads {m['line_ns']:.0f} ns" if m.get("line_ns") else ""), ""]
     for dtype, e in r["engines"].items():
         lines.append(f"{dtype}: weights read per token {e['weight_bytes'] / 2**20:.0f} MiB ({e['params'] / 1e6:.0f}M "
                      f"params); batch 1: {_batch1_text(e, m)}; batch {batch}: {e[f'batch{batch}_tok_s']:.0f} tok/s = "

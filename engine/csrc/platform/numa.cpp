@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -92,6 +94,61 @@ std::vector<int> omp_thread_cpus() {
   std::vector<int> out(n, -1);
 #pragma omp parallel num_threads(n)
   out[omp_get_thread_num()] = sched_getcpu();
+  return out;
+}
+
+namespace {
+
+// Threads 0 and `other` bounce one line `rounds` times (the rest of the team waits); seconds a
+// round trip, or a negative number where they gave up: two threads that share a CPU (a pool
+// larger than its CPUs) take a scheduler slice a round trip, so thread 0 stops after 0.2 s.
+double ping_pong(int other, int rounds) {
+  constexpr int64_t kStop = -1;
+  alignas(64) std::atomic<int64_t> flag{0};
+  double seconds = -1;
+#pragma omp parallel
+  {
+    const int t = omp_get_thread_num();
+    const bool paired = omp_get_num_threads() > other;  // a team smaller than the pool: no partner
+#pragma omp barrier
+    if (t == 0 && paired) {
+      const auto t0 = std::chrono::steady_clock::now();
+      auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+      int64_t i = 0;
+      for (; i < rounds; ++i) {
+        flag.store(2 * i + 1, std::memory_order_release);
+        while (flag.load(std::memory_order_acquire) != 2 * i + 2) {}
+        if (i % 64 == 63 && elapsed() > 0.2) break;
+      }
+      if (i == rounds) seconds = elapsed() / rounds;
+      flag.store(kStop, std::memory_order_release);
+    } else if (t == other && paired) {
+      for (int64_t i = 0;; ++i) {
+        int64_t v;
+        while ((v = flag.load(std::memory_order_acquire)) != 2 * i + 1 && v != kStop) {}
+        if (v == kStop) break;
+        flag.store(2 * i + 2, std::memory_order_release);
+      }
+    }
+  }
+  return seconds;
+}
+
+}  // namespace
+
+std::vector<double> line_transfer_ns(int rounds, int trials) {
+  const int n = omp_get_max_threads();
+  rounds = std::max(rounds, 1);
+  std::vector<double> out;
+  for (int other = 1; other < n; ++other) {
+    std::vector<double> ns(static_cast<size_t>(std::max(trials, 1)));
+    for (double& x : ns) {
+      const double s = ping_pong(other, rounds);
+      x = s < 0 ? -1 : s / 2 * 1e9;
+    }
+    std::nth_element(ns.begin(), ns.begin() + ns.size() / 2, ns.end());
+    out.push_back(ns[ns.size() / 2]);  // -1: the pair shares a CPU (or was preempted throughout)
+  }
   return out;
 }
 

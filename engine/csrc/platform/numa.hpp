@@ -30,6 +30,12 @@ int set_thread_affinity(const std::vector<int>& cpus);  // calling thread; errno
 // Returns (first affinity errno or 0, first mempolicy errno or 0).
 std::pair<int, int> bind_omp_threads(const std::vector<int>& cpus, int mem_node);
 std::vector<int> omp_thread_cpus();  // the CPU each OpenMP thread runs on right now
+// How long one cache line takes to pass between OpenMP thread 0 and each other thread t of the
+// pool (entry t - 1), in ns one way: the median of `trials` ping-pongs of `rounds` round trips
+// each. Tens of ns where the two cores share a cache (an L3), over a hundred across dies or
+// sockets, where every parallel region's fork and barrier costs as much more. -1 for a thread
+// that shares a CPU with thread 0 (each round trip a scheduler slice: given up after 0.2 s).
+std::vector<double> line_transfer_ns(int rounds, int trials);
 // Faults in the pages of [p, p + n) (its whole pages) as a write would, their contents unchanged
 // (MADV_POPULATE_WRITE, Linux 5.14+), 64 MiB at a time over the OpenMP threads: each on its own
 // CPU and under its memory binding. Returns the first errno, or 0.

@@ -22,9 +22,10 @@ def test_each_window_is_set_against_its_own_bandwidth():
 def test_batch1_windows_probe_around_each_run(llm_f32, monkeypatch):
     probes = iter([30.0, 33.0, 50.0, 41.0])
     monkeypatch.setattr(bench, "read_bandwidth", lambda **kw: next(probes))
+    monkeypatch.setattr(bench, "line_transfer_ns", lambda: 42.0)
     windows = bench.batch1_windows(llm_f32, tokens=3, windows=2, probe_gib=0.001)
-    assert [g for g, _ in windows] == [33.0, 50.0]   # the faster probe of each pair: the strict bound
-    assert all(0 < step < 10 for _, step in windows)
+    assert [g for g, _, _ in windows] == [33.0, 50.0]   # the faster probe of each pair: the strict bound
+    assert all(0 < step < 10 and ns == 42.0 for _, step, ns in windows)
     assert not llm_f32.engine.core.has_unfinished()
 
 
@@ -79,6 +80,19 @@ def test_the_report_gives_the_windows():
     text = bench.format_report({"machine": machine, "engines": {"bfloat16": engine}})
     assert "batch 1: 9.00 ms/token (median of 3 windows), each window 85% of its own bandwidth bound" in text
     assert "(median; 81-86%; read 34.0-55.0 GB/s around the windows, bound 7.67 ms at the median 35.0)" in text
+    assert "cache line" not in text   # a report from before the threads' line transfer was measured
+
+
+def test_the_report_gives_the_threads_line_transfer():
+    machine = {"threads": 2, "read_gbs": 35.0, "torch_gflops": {"float32": 196.0}, "kernel_gflops": {"bfloat16": 427.0},
+               "line_ns": 163.2}
+    windows = [(34.0, 0.0092, 31.0), (55.0, 0.0060, 162.0), (35.0, 0.0090, None)]
+    engine = {"weight_bytes": 256 << 20, "params": 134_000_000, "batch64_tok_s": 1200.0, "batch64_gflops": 320.0,
+              "batch64_of_kernel_peak": 0.75, "batch64_of_best_peak": 0.75, "profile": {},
+              **bench.paired_fractions(256 << 20, windows), "batch1_windows": [[g, s * 1e3, ns] for g, s, ns in windows]}
+    text = bench.format_report({"machine": machine, "engines": {"bfloat16": engine}})
+    assert "427; a cache line between the threads 163 ns\n" in text
+    assert "bound 7.67 ms at the median 35.0; a cache line between the threads 31-162 ns)" in text
 
 
 def test_torch_on_the_same_shape_is_measured():

@@ -70,8 +70,9 @@ def line_transfer_ns() -> float | None:
 
 def paired_fractions(weight_bytes: int, windows: list[tuple]) -> dict:
     """Batch 1 against the bandwidth bound window by window: `windows` holds (GB/s probed around
-    the window, seconds per token in it, anything else). Each window's fraction is its own bound over its own
-    step, so a fast probe minute is never set against a slow decode minute or the reverse.
+    the window, seconds per token in it, and what else was measured with it). Each window's
+    fraction is its own bound over its own step, so a fast probe minute is never set against a
+    slow decode minute or the reverse.
     Returns the median, min and max fraction, the median step (ms) and the bound (ms) at the
     median bandwidth."""
     if not windows:

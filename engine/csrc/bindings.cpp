@@ -168,7 +168,17 @@ PYBIND11_MODULE(_C, m) {
              st.run(ids ? ptr<const int64_t>(ids) : nullptr, ptr<float>(h), ptr<float>(residual), residual_valid,
                     {tokens, ptr<const int64_t>(positions), ptr<const int64_t>(slots), ptr<const int32_t>(tables),
                      max_blocks, ptr<const int32_t>(seq_lens), ptr<const int32_t>(qsl), num_seqs});
-           }, G());
+           }, G())
+      .def("set_timing", &DecoderStack::set_timing, py::arg("on"))
+      .def("reset_timings", &DecoderStack::reset_timings)
+      // seconds per kernel category since the last reset, for the categories timed at all
+      .def("timings", [](const DecoderStack& st) {
+             py::dict out;
+             const auto& spent = st.timings();
+             for (int i = 0; i < cpuserve::kStepParts; ++i)
+               if (spent[i] > 0.0) out[cpuserve::kStepPartNames[i]] = spent[i];
+             return out;
+           });
 
   py::class_<Kernels>(m, "Kernels")
       .def(py::init<const std::string&>(), py::arg("isa") = "")

@@ -15,7 +15,12 @@ time goes.
   region's fork and barrier costs as much more (a VM's host may move its vCPUs between the two).
 - The profile of one decode step at batch 1 and 64: GEMMs, attention, each other kernel
   (norms, rotary, activation, cache writes), the sampler, and the rest (Python, scheduling,
-  input preparation), from timers around each kernel call.
+  input preparation), from timers around each kernel call: inside the native decoder stack
+  where the steps run through it (the run that is timed is the one the engine makes), around
+  the Python layers' kernel calls where they run. Batch 1 and the profile decode after
+  128-token prompts, as the offline and serving benchmarks do: attention's share grows with
+  the context (at 16-48 tokens, a 64-sequence bfloat16 step's attention was a third of what it
+  is at 128-160).
 
 The bound arithmetic is pure (`paired_fractions`); the rest measures."""
 from __future__ import annotations
@@ -28,6 +33,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 GB = 1e9
+# The prompt of the decode runs below: the offline and serving benchmarks' prompt length, so that
+# their contexts (prompt_len to prompt_len + tokens) are the benchmarks' early decode steps.
+PROMPT_LEN = 128
 
 
 @dataclass(frozen=True)
@@ -86,7 +94,8 @@ def paired_fractions(weight_bytes: int, windows: list[tuple]) -> dict:
             "read_gbs": gbs[mid], "read_gbs_range": [gbs[0], gbs[-1]]}
 
 
-def batch1_windows(llm, tokens: int, windows: int = 5, probe_gib: float = 0.5) -> list[tuple]:
+def batch1_windows(llm, tokens: int, windows: int = 5, probe_gib: float = 0.5,
+                   prompt_len: int = PROMPT_LEN) -> list[tuple]:
     """(GB/s, seconds per token, line ns) of `windows` short batch-1 decode runs, each between two
     probes of the read bandwidth (the faster of the two: the strict bound), with the threads'
     cache-line transfer (`line_transfer_ns`) measured after them."""
@@ -94,7 +103,7 @@ def batch1_windows(llm, tokens: int, windows: int = 5, probe_gib: float = 0.5) -
     out = []
     for _ in range(windows):
         before = read_bandwidth(repeats=3, buffer=buffer)
-        step, _ = _timed_steps(llm, 1, tokens, 16, profile=False)
+        step, _ = _timed_steps(llm, 1, tokens, prompt_len, profile=False)
         out.append((max(before, read_bandwidth(repeats=3, buffer=buffer)), step, line_transfer_ns()))
     return out
 
@@ -192,23 +201,29 @@ class StepProfile:
             setattr(owner, name, original)
 
 
-def decode_steps(llm, batch: int, tokens: int, prompt_len: int = 16) -> tuple[float, dict]:
-    """Median seconds of a decode step with `batch` sequences as the engine runs it (the decoder
-    stack in one native call where it applies), and the profile of the same steps run through
-    the Python layers, whose kernel calls can be timed one by one (seconds per step by category,
-    'Python and scheduling' the remainder; 'native step saves' what the one call saves)."""
+def decode_steps(llm, batch: int, tokens: int, prompt_len: int = PROMPT_LEN) -> tuple[float, dict]:
+    """Median seconds of a decode step with `batch` sequences as the engine runs it, and the
+    profile of those steps (seconds per step by category, 'Python and scheduling' the rest):
+    timed inside the native decoder stack where the steps run through it (`_native_stack`),
+    else from timers around the Python layers' kernel calls."""
+    return _timed_steps(llm, batch, tokens, prompt_len)
+
+
+def _native_stack(llm):
+    """The native decoder stack the model's decode steps run through (built by the first step
+    with the KV caches bound), or None where the Python layers run."""
     from cpuserve.model_executor import native_step
 
-    if not native_step.ENABLED:
-        return _timed_steps(llm, batch, tokens, prompt_len)
-    step, _ = _timed_steps(llm, batch, tokens, prompt_len)
-    native_step.ENABLED = False
-    try:
-        python_step, share = _timed_steps(llm, batch, tokens, prompt_len)
-    finally:
-        native_step.ENABLED = True
-    share["native step saves"] = max(0.0, python_step - step)
-    return step, share
+    nd = native_step.decoder_for(llm.engine.runner.model)
+    return nd.stack if nd is not None else None
+
+
+def _prefill(core, batch: int) -> None:
+    """Steps until every one of `batch` new requests has its first token: the prompts' prefill,
+    in as many steps as the token budget takes."""
+    started: set = set()
+    while len(started) < batch and core.has_unfinished():
+        started.update(o.request_id for o in core.step())
 
 
 def _timed_steps(llm, batch: int, tokens: int, prompt_len: int, profile: bool = True) -> tuple[float, dict]:
@@ -218,16 +233,29 @@ def _timed_steps(llm, batch: int, tokens: int, prompt_len: int, profile: bool = 
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for i in range(batch):
         core.add_request(f"bench-{batch}-{i}", [1 + (i * 7 + j) % 1000 for j in range(prompt_len)], params)
-    core.step()  # the prefill
+    _prefill(core, batch)
     steps = []
     prof = StepProfile()
-    with prof if profile else contextlib.nullcontext():
-        while core.has_unfinished():
-            t0 = time.perf_counter()
-            core.step()
-            steps.append(time.perf_counter() - t0)
+    stack = _native_stack(llm) if profile else None
+    if stack is not None:
+        stack.reset_timings()
+        stack.set_timing(True)
+    inside: dict = {}
+    try:
+        with prof if profile else contextlib.nullcontext():
+            while core.has_unfinished():
+                t0 = time.perf_counter()
+                core.step()
+                steps.append(time.perf_counter() - t0)
+    finally:
+        if stack is not None:
+            stack.set_timing(False)
+            inside = stack.timings()
+            stack.reset_timings()
     total = sum(steps)
     share = {k: v / len(steps) for k, v in prof.spent.items()}
+    for k, v in inside.items():
+        share[k] = share.get(k, 0.0) + v / len(steps)
     share["Python and scheduling"] = max(0.0, total / len(steps) - sum(share.values()))
     return sorted(steps)[len(steps) // 2], share
 
@@ -281,7 +309,9 @@ def run(dtypes=ENGINES, batch: int = 64, tokens: int = 32) -> dict:
             f"batch{batch}_gflops": 2 * params * batch / big / GB,
             f"batch{batch}_of_kernel_peak": 2 * params * batch / big / GB / machine.kernel_gflops[dtype],
             f"batch{batch}_of_best_peak": 2 * params * batch / big / GB / peak,
-            "profile": {"1": one_profile, str(batch): big_profile}}
+            "profile": {"1": one_profile, str(batch): big_profile},
+            "profile_where": "native decoder stack" if _native_stack(llm) is not None else "Python layers",
+            "contexts": [PROMPT_LEN, PROMPT_LEN + tokens]}
         del llm
     return out
 
@@ -301,6 +331,15 @@ def _batch1_text(e: dict, m: dict) -> str:
             + ")")
 
 
+def _profile_how(e: dict) -> str:
+    """Where a report's profile was timed, and at which contexts (reports before these keys:
+    through the Python layers, after 16-token prompts)."""
+    where = e.get("profile_where", "Python layers")
+    ctx = f" (contexts {e['contexts'][0]}-{e['contexts'][1]})" if e.get("contexts") else ""
+    return f"{ctx}, timed inside the native decoder stack" if where == "native decoder stack" else \
+        f"{ctx} through the Python layers"
+
+
 def format_report(r: dict, batch: int = 64) -> str:
     m = r["machine"]
     lines = [f"machine: {m['threads']} threads, read bandwidth {m['read_gbs']:.1f} GB/s; GEMM GFLOP/s: torch 2048^3 "
@@ -310,8 +349,9 @@ def format_report(r: dict, batch: int = 64) -> str:
                 if m.get("torch_shape_gflops") else "")
              + (f"; a cache line between the threads {m['line_ns']:.0f} ns" if m.get("line_ns") else ""), ""]
     for dtype, e in r["engines"].items():
+        prompts = f"; decoding after {e['contexts'][0]}-token prompts" if e.get("contexts") else ""
         lines.append(f"{dtype}: weights read per token {e['weight_bytes'] / 2**20:.0f} MiB ({e['params'] / 1e6:.0f}M "
-                     f"params); batch 1: {_batch1_text(e, m)}; batch {batch}: {e[f'batch{batch}_tok_s']:.0f} tok/s = "
+                     f"params){prompts}; batch 1: {_batch1_text(e, m)}; batch {batch}: {e[f'batch{batch}_tok_s']:.0f} tok/s = "
                      f"{e[f'batch{batch}_gflops']:.0f} GFLOP/s, {100 * e[f'batch{batch}_of_kernel_peak']:.0f}% of "
                      f"the kernel's peak, {100 * e[f'batch{batch}_of_best_peak']:.0f}% of the best GEMM peak")
         for b, prof in e["profile"].items():
@@ -320,6 +360,6 @@ def format_report(r: dict, batch: int = 64) -> str:
             total = sum(prof.values())
             parts = ", ".join(f"{k} {v * 1e3:.2f} ms ({100 * v / total:.0f}%)"
                               for k, v in sorted(prof.items(), key=lambda kv: -kv[1]))
-            lines.append(f"  decode step at batch {b} through the Python layers: {total * 1e3:.2f} ms = {parts}"
+            lines.append(f"  decode step at batch {b}{_profile_how(e)}: {total * 1e3:.2f} ms = {parts}"
                          + (f"; the native decoder stack saves {saved * 1e3:.2f} ms of it" if saved else ""))
     return "\n".join(lines)

@@ -28,29 +28,35 @@ void DecoderStack::layer(const DecoderLayerDesc& L, float* h, float* res, bool f
   const int64_t T = m.tokens, H = hidden_, qs = L.hq * L.d, kvs = L.hk * L.d, w = qs + 2 * kvs;
   if (first) {
     std::memcpy(res, h, sizeof(float) * T * H);
-    t_->rms_norm(h, res, L.in_norm, T, H, H, H, L.eps);
+    timed(kRmsNorm, [&] { t_->rms_norm(h, res, L.in_norm, T, H, H, H, L.eps); });
   } else {
-    t_->fused_add_rms_norm(h, res, L.in_norm, T, H, H, H, L.eps);
+    timed(kAddRmsNorm, [&] { t_->fused_add_rms_norm(h, res, L.in_norm, T, H, H, H, L.eps); });
   }
   float* qkv = qkv_.data();
-  linear(L.qkv, h, H, qkv, w, T);
+  timed(kGemm, [&] { linear(L.qkv, h, H, qkv, w, T); });
   float *q = qkv, *k = qkv + qs, *v = qkv + qs + kvs;
   if (L.q_norm != nullptr)
-    for (int64_t i = 0; i < T; ++i) {
-      t_->rms_norm(q + i * w, q + i * w, L.q_norm, L.hq, L.d, L.d, L.d, L.eps);
-      t_->rms_norm(k + i * w, k + i * w, L.k_norm, L.hk, L.d, L.d, L.d, L.eps);
-    }
-  t_->rotary(q, k, m.positions, L.cos_sin, T, L.hq, L.hk, L.d, L.rot_dim, w, w, L.neox);
-  t_->reshape_and_cache(k, v, L.k_cache, L.v_cache, L.kv_dtype, m.slot_mapping, T, L.hk, L.d, L.block_size, w, w,
-                        L.k_scale, L.v_scale);
+    timed(kRmsNorm, [&] {
+      for (int64_t i = 0; i < T; ++i) {
+        t_->rms_norm(q + i * w, q + i * w, L.q_norm, L.hq, L.d, L.d, L.d, L.eps);
+        t_->rms_norm(k + i * w, k + i * w, L.k_norm, L.hk, L.d, L.d, L.d, L.eps);
+      }
+    });
+  timed(kRotary, [&] { t_->rotary(q, k, m.positions, L.cos_sin, T, L.hq, L.hk, L.d, L.rot_dim, w, w, L.neox); });
+  timed(kCacheWrite, [&] {
+    t_->reshape_and_cache(k, v, L.k_cache, L.v_cache, L.kv_dtype, m.slot_mapping, T, L.hk, L.d, L.block_size, w, w,
+                          L.k_scale, L.v_scale);
+  });
   float* attn = attn_.data();
-  t_->paged_attention(attn, q, L.k_cache, L.v_cache, L.kv_dtype, m.block_tables, m.max_blocks, m.seq_lens,
-                      m.query_start_loc, m.num_seqs, L.hq, L.hk, L.group, L.q_off, L.d, L.block_size, L.scale,
-                      L.window, L.softcap, w, qs, L.k_scale, L.v_scale);
-  linear(L.o, attn, qs, h, H, T);
-  t_->fused_add_rms_norm(h, res, L.post_norm, T, H, H, H, L.eps);
+  timed(kAttention, [&] {
+    t_->paged_attention(attn, q, L.k_cache, L.v_cache, L.kv_dtype, m.block_tables, m.max_blocks, m.seq_lens,
+                        m.query_start_loc, m.num_seqs, L.hq, L.hk, L.group, L.q_off, L.d, L.block_size, L.scale,
+                        L.window, L.softcap, w, qs, L.k_scale, L.v_scale);
+  });
+  timed(kGemm, [&] { linear(L.o, attn, qs, h, H, T); });
+  timed(kAddRmsNorm, [&] { t_->fused_add_rms_norm(h, res, L.post_norm, T, H, H, H, L.eps); });
   gated_mlp_input(L.gate_up, h, T);
-  linear(L.down, act_.data(), inter_, h, H, T);
+  timed(kGemm, [&] { linear(L.down, act_.data(), inter_, h, H, T); });
 }
 
 // The weight kind of a gate_up projection with one part and no bias, else -1.
@@ -67,7 +73,18 @@ static bool fused_gate_up(const LinearDesc& gu) { return gate_up_kind(gu) >= 0; 
 void DecoderStack::gated_mlp_input(const LinearDesc& gu, const float* h, int64_t T) {
   const int64_t H = hidden_;
   const int kind = gate_up_kind(gu);
-  if (kind >= 0 && kind < 16) {
+  if (kind < 0) {
+    timed(kGemm, [&] { linear(gu, h, H, gate_up_.data(), 2 * inter_, T); });
+    timed(kActivation, [&] { t_->silu_and_mul(act_.data(), gate_up_.data(), T, inter_, 2 * inter_, inter_); });
+    return;
+  }
+  timed(kGemm, [&] { fused_gated_mlp_input(kind, gu, h, T); });
+}
+
+// gated_mlp_input's one-kernel path for a gate_up of weight kind `kind`.
+void DecoderStack::fused_gated_mlp_input(int kind, const LinearDesc& gu, const float* h, int64_t T) {
+  const int64_t H = hidden_;
+  if (kind < 16) {
     t_->gemm_silu(act_.data(), h, gu.parts[0].w, static_cast<DType>(kind), T, inter_, H, H, inter_);
     return;
   }
@@ -80,13 +97,8 @@ void DecoderStack::gated_mlp_input(const LinearDesc& gu, const float* h, int64_t
     t_->qgemm_silu(act_.data(), h, static_cast<const uint8_t*>(gu.parts[0].w), kind - 16, T, inter_, H, H, inter_);
     return;
   }
-  if (kind >= kQDotKind) {
-    t_->qdgemm_silu(act_.data(), h, static_cast<const uint8_t*>(gu.parts[0].w), kind - kQDotKind, T, inter_, H, H,
-                    inter_);
-    return;
-  }
-  linear(gu, h, H, gate_up_.data(), 2 * inter_, T);
-  t_->silu_and_mul(act_.data(), gate_up_.data(), T, inter_, 2 * inter_, inter_);
+  t_->qdgemm_silu(act_.data(), h, static_cast<const uint8_t*>(gu.parts[0].w), kind - kQDotKind, T, inter_, H, H,
+                  inter_);
 }
 
 void DecoderStack::set_embedding(const void* table, DType dt, int64_t rows) {
@@ -114,7 +126,7 @@ void DecoderStack::embed(const int64_t* ids, float* h, int64_t T) const {
 }
 
 void DecoderStack::run(const int64_t* ids, float* h, float* residual, bool residual_valid, const StepMeta& m) {
-  if (ids != nullptr) embed(ids, h, m.tokens);
+  if (ids != nullptr) timed(kEmbedding, [&] { embed(ids, h, m.tokens); });
   int64_t qkv_w = 0, q_w = 0;
   bool unfused = false;  // a layer whose gate/up goes through gate_up_ (most models: none)
   for (const DecoderLayerDesc& L : layers_) {
@@ -133,7 +145,8 @@ void DecoderStack::run(const int64_t* ids, float* h, float* residual, bool resid
     first = false;
   }
   if (final_norm_ != nullptr)
-    t_->fused_add_rms_norm(h, residual, final_norm_, m.tokens, hidden_, hidden_, hidden_, final_eps_);
+    timed(kAddRmsNorm,
+          [&] { t_->fused_add_rms_norm(h, residual, final_norm_, m.tokens, hidden_, hidden_, hidden_, final_eps_); });
 }
 
 }  // namespace cpuserve

@@ -3,6 +3,8 @@
 // bit), without a Python round trip per operator. Built once per model from the layers'
 // weights and KV caches (cpuserve/model_executor/native_step.py); one rank only.
 #pragma once
+#include <array>
+#include <chrono>
 #include <cstdint>
 #include <vector>
 #include "../kernel_table.hpp"
@@ -57,6 +59,14 @@ struct StepMeta {
   int64_t num_seqs;
 };
 
+// Where the stack's time goes, by kernel, while timing is on (DecoderStack::set_timing): what the
+// Python layers' timers (entrypoints/bench.py StepProfile) see of the same kernels, which they
+// cannot see inside this one call. Named as those timers name them; the gate/up projection with
+// its fused SiLU-and-mul is GEMM.
+enum StepPart : int { kEmbedding, kRmsNorm, kAddRmsNorm, kGemm, kRotary, kCacheWrite, kAttention, kActivation, kStepParts };
+inline constexpr const char* kStepPartNames[kStepParts] = {
+    "embedding", "rms_norm", "fused_add_rms_norm", "GEMM", "rotary", "reshape_and_cache", "attention", "silu_and_mul"};
+
 class DecoderStack {
  public:
   DecoderStack(const KernelTable* t, int64_t hidden, int64_t intermediate) : t_(t), hidden_(hidden), inter_(intermediate) {}
@@ -74,12 +84,26 @@ class DecoderStack {
   // to spare a decode step two Python calls (about 100 us with their state cold after the
   // weights streamed through the caches: 1.5% of a bfloat16 batch-1 step).
   void run(const int64_t* ids, float* h, float* residual, bool residual_valid, const StepMeta& m);
+  // Timing of each kernel call by StepPart, summed over run() calls until reset: a clock read
+  // before and after each kernel (about 600 a step of a 30-layer model, ~15 us); off (the
+  // default), one predictable branch a kernel.
+  void set_timing(bool on) { timing_ = on; }
+  const std::array<double, kStepParts>& timings() const { return spent_; }
+  void reset_timings() { spent_.fill(0.0); }
 
  private:
+  template <typename F>
+  void timed(StepPart part, F&& f) {
+    if (!timing_) return f();
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    spent_[part] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
   void embed(const int64_t* ids, float* h, int64_t T) const;
   void linear(const LinearDesc& l, const float* x, int64_t lda, float* out, int64_t ldc, int64_t m);
   void layer(const DecoderLayerDesc& L, float* h, float* residual, bool first, const StepMeta& m);
   void gated_mlp_input(const LinearDesc& gate_up, const float* h, int64_t T);
+  void fused_gated_mlp_input(int kind, const LinearDesc& gate_up, const float* h, int64_t T);
 
   const KernelTable* t_;
   int64_t hidden_, inter_;
@@ -90,6 +114,8 @@ class DecoderStack {
   const float* final_norm_ = nullptr;
   float final_eps_ = 0.f;
   std::vector<float> qkv_, attn_, gate_up_, act_;
+  bool timing_ = false;
+  std::array<double, kStepParts> spent_{};
 };
 
 }  // namespace cpuserve

@@ -30,16 +30,43 @@ def test_batch1_windows_probe_around_each_run(llm_f32, monkeypatch):
 
 
 def test_profile_of_a_decode_step(llm_f32):
+    """Timed inside the native decoder stack (the run the engine makes): its kernels by category,
+    the LM head's GEMM and the sampler from Python's timers, the rest Python and scheduling."""
     from cpuserve.model_executor import ops
     linear = ops.linear
     weight_bytes, params = bench.model_size(llm_f32)
     # SmolLM2-135M's matrices in the GGUF's blocks: Q4_1 layers (5 bits), the Q8_0 head (8.5 bits)
     assert 120e6 < params < 140e6 and 0.65 * params < weight_bytes < 0.75 * params
     step, prof = bench.decode_steps(llm_f32, batch=4, tokens=4)
-    assert {"GEMM", "attention", "sampler", "Python and scheduling", "rms_norm"} <= set(prof)
+    assert {"GEMM", "attention", "sampler", "Python and scheduling", "rms_norm", "reshape_and_cache",
+            "rotary", "fused_add_rms_norm"} <= set(prof)
     assert all(v >= 0 for v in prof.values()) and prof["GEMM"] > prof["sampler"]
     assert ops.linear is linear  # the timers are gone
+    assert bench._native_stack(llm_f32).timings() == {}  # the stack's timing is off and emptied
     assert not llm_f32.engine.core.has_unfinished()
+
+
+def test_profile_through_the_python_layers_where_they_run(llm_f32, monkeypatch):
+    from cpuserve.model_executor import native_step
+    monkeypatch.setattr(native_step, "ENABLED", False)
+    assert bench._native_stack(llm_f32) is None
+    _, prof = bench.decode_steps(llm_f32, batch=2, tokens=3, prompt_len=16)
+    assert {"GEMM", "attention", "reshape_and_cache", "sampler", "Python and scheduling"} <= set(prof)
+
+
+def test_timing_starts_after_the_whole_prefill():
+    """Prompts longer than one step's token budget take several prefill steps (the first
+    requests decoding beside the others' chunks); the timed steps are decode steps only: each
+    request has its first token and one token left to compute."""
+    from cpuserve import LLM, SamplingParams
+    llm = LLM(dtype="float32", block_size=16, kv_cache_space=0.1, max_num_batched_tokens=64)
+    core = llm.engine.core
+    for i in range(3):
+        core.add_request(f"p{i}", list(range(100 + i, 300 + i)), SamplingParams(max_tokens=16, ignore_eos=True))
+    bench._prefill(core, 3)
+    running = core.scheduler.running
+    assert len(running) == 3 and all(s.num_output_tokens >= 1 and s.num_uncomputed == 1 for s in running)
+    assert min(s.num_output_tokens for s in running) == 1  # the last prompt's prefill just ended
 
 
 def test_the_fused_gate_up_counts_as_gemm():
@@ -69,6 +96,21 @@ def test_the_report_sets_our_kernel_beside_torch_on_the_same_shape():
                                "engines": {"float32": engine}})
     assert "float32 115; torch's F.linear on that shape float32 76, bfloat16 31" in new
     assert "20.00 ms/token against a bound of 18.00 at 29.4 GB/s probed alongside (90%)" in old
+
+
+def test_the_report_says_where_and_at_which_contexts_the_profile_was_timed():
+    machine = {"threads": 2, "read_gbs": 35.0, "torch_gflops": {"float32": 196.0}, "kernel_gflops": {"bfloat16": 427.0}}
+    engine = {"weight_bytes": 256 << 20, "params": 134_000_000, "batch64_tok_s": 900.0, "batch64_gflops": 240.0,
+              "batch64_of_kernel_peak": 0.56, "batch64_of_best_peak": 0.56,
+              **bench.paired_fractions(256 << 20, [(35.0, 0.0090)]), "batch1_windows": [[35.0, 9.0]],
+              "profile": {"64": {"GEMM": 0.048, "attention": 0.015, "Python and scheduling": 0.001}}}
+    old = bench.format_report({"machine": machine, "engines": {"bfloat16": engine}})
+    assert "(134M params); batch 1:" in old and "decode step at batch 64 through the Python layers: 64.00 ms" in old
+    new = bench.format_report({"machine": machine, "engines": {"bfloat16": {
+        **engine, "profile_where": "native decoder stack", "contexts": [128, 160]}}})
+    assert "(134M params); decoding after 128-token prompts; batch 1:" in new
+    assert ("decode step at batch 64 (contexts 128-160), timed inside the native decoder stack: 64.00 ms = "
+            "GEMM 48.00 ms (75%), attention 15.00 ms (23%), Python and scheduling 1.00 ms (2%)") in new
 
 
 def test_the_report_gives_the_windows():

@@ -73,3 +73,29 @@ def test_stack_looks_tokens_up_as_torch_does(dtype):
     assert torch.equal(h, table[ids].float())
     with pytest.raises(IndexError, match="token id 10 outside the embedding's 10 rows"):
         run(torch.tensor([1, 10]))
+
+
+def test_stack_times_its_kernels_only_when_asked(llm_f32):
+    """Timing on (`cpuserve bench`'s profile) sums each kernel category's seconds over the steps
+    and changes no result; off (the default), nothing is counted."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    generate = lambda: [o.outputs[0].token_ids for o in llm_f32.generate(PROMPTS[:2], params)]
+    base = generate()
+    stack = native_step.decoder_for(llm_f32.engine.runner.model).stack
+    stack.reset_timings()
+    generate()
+    assert stack.timings() == {}
+    stack.set_timing(True)
+    try:
+        timed = generate()
+    finally:
+        stack.set_timing(False)
+    t = stack.timings()
+    assert timed == base
+    # the GGUF's embedding is looked up in Python (its blocks), so no "embedding" here
+    assert set(t) == {"GEMM", "attention", "reshape_and_cache", "rotary", "fused_add_rms_norm", "rms_norm"}
+    assert all(v > 0 for v in t.values()) and t["GEMM"] > t["rotary"]
+    generate()
+    assert stack.timings() == t  # off again: nothing added
+    stack.reset_timings()
+    assert stack.timings() == {}

@@ -289,7 +289,7 @@ def engine_llm(engine: str, **kw):
     return LLM(dtype=engine, quantization="none", **kw)
 
 
-def run(dtypes=ENGINES, batch: int = 64, tokens: int = 32) -> dict:
+def run(dtypes=ENGINES, batch: int = 64, tokens: int = 32, prompt_len: int = PROMPT_LEN) -> dict:
     out: dict = {"engines": {}}
     machine = None
     for dtype in dtypes:
@@ -299,9 +299,9 @@ def run(dtypes=ENGINES, batch: int = 64, tokens: int = 32) -> dict:
             machine = measure_machine(c.hidden_size, c.intermediate_size)
             out["machine"] = asdict(machine)
         weight_bytes, params = model_size(llm)
-        windows = batch1_windows(llm, tokens)  # each against its own minute's bandwidth
-        _, one_profile = decode_steps(llm, 1, tokens)
-        big, big_profile = decode_steps(llm, batch, tokens)
+        windows = batch1_windows(llm, tokens, prompt_len=prompt_len)  # each against its own minute's bandwidth
+        _, one_profile = decode_steps(llm, 1, tokens, prompt_len)
+        big, big_profile = decode_steps(llm, batch, tokens, prompt_len)
         peak = max(machine.kernel_gflops[dtype], machine.torch_gflops["float32"])
         out["engines"][dtype] = {
             "weight_bytes": weight_bytes, "params": params, **paired_fractions(weight_bytes, windows),
@@ -311,7 +311,7 @@ def run(dtypes=ENGINES, batch: int = 64, tokens: int = 32) -> dict:
             f"batch{batch}_of_best_peak": 2 * params * batch / big / GB / peak,
             "profile": {"1": one_profile, str(batch): big_profile},
             "profile_where": "native decoder stack" if _native_stack(llm) is not None else "Python layers",
-            "contexts": [PROMPT_LEN, PROMPT_LEN + tokens]}
+            "contexts": [prompt_len, prompt_len + tokens]}
         del llm
     return out
 

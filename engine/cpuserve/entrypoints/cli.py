@@ -227,7 +227,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     from cpuserve.entrypoints import bench
 
-    r = bench.run(tuple(a.dtype or bench.ENGINES), a.batch, a.tokens)
+    if a.prompt_len < 1 or a.tokens < 2 or a.batch < 1:
+        raise SystemExit(f"cpuserve bench: --prompt-len and --batch must be >= 1 and --tokens >= 2 (the first token "
+                         f"ends the prefill), got {a.prompt_len}, {a.batch} and {a.tokens}")
+    r = bench.run(tuple(a.dtype or bench.ENGINES), a.batch, a.tokens, a.prompt_len)
     print(json.dumps(r, indent=1) if a.json else bench.format_report(r, a.batch))
     return 0
 
@@ -285,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
                          "as an INT8 W8A8 checkpoint (made once into the cache), else widened")
     bn.add_argument("--batch", type=int, default=64, help="the large batch measured (default 64)")
     bn.add_argument("--tokens", type=int, default=32, help="decode steps measured per batch size")
+    bn.add_argument("--prompt-len", type=int, default=128,
+                    help="prompt tokens before those steps (default 128, the benchmarks' prompts): the contexts "
+                         "decoded are prompt-len to prompt-len + tokens, and attention grows with them")
     bn.add_argument("--json", action="store_true", help="machine-readable output")
     bn.set_defaults(func=cmd_bench)
     qz = sub.add_parser("quantize", help="write an AWQ- or GPTQ-layout 4-bit checkpoint, or a compressed-tensors "

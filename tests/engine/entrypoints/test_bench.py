@@ -139,3 +139,15 @@ def test_the_report_gives_the_threads_line_transfer():
 
 def test_torch_on_the_same_shape_is_measured():
     assert bench.torch_linear_gflops(torch.float32, 8, 64, 96, repeats=2) > 0
+
+
+def test_the_cli_passes_the_prompt_length_and_refuses_what_cannot_be_measured(monkeypatch, capsys):
+    from cpuserve.entrypoints import cli
+    calls = []
+    monkeypatch.setattr(bench, "run", lambda *a: calls.append(a) or {"engines": {}})
+    assert cli.main(["bench", "--dtype", "bfloat16", "--prompt-len", "512", "--tokens", "8", "--json"]) == 0
+    assert calls == [(("bfloat16",), 64, 8, 512)]
+    with pytest.raises(SystemExit, match="--tokens >= 2 .*got 128, 64 and 1"):
+        cli.main(["bench", "--tokens", "1"])
+    with pytest.raises(SystemExit, match="got 0, 64 and 32"):
+        cli.main(["bench", "--prompt-len", "0"])

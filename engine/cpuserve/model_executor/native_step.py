@@ -5,7 +5,7 @@ without a Python round trip per operator (about 10 kernel calls a layer). One ra
 with tensor parallelism the Python layers run, as they hold the all-reduces.
 
 CPUSERVE_NATIVE_STEP=0 (or `ENABLED = False`) runs the Python layers instead, e.g. to
-profile each kernel from Python (`cpuserve bench`)."""
+compare the two. `cpuserve bench` profiles a step inside the stack (`DecoderStack.set_timing`)."""
 from __future__ import annotations
 
 import os

@@ -28,7 +28,12 @@ def measure(cpus: list[int], threads: int) -> list:
 
 @pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs")
 def test_two_threads_on_two_cpus():
-    ns, slowest = measure(CPUS[:2], 2)
+    # Another process busy on these CPUs (a compiler, another test's server) time-slices the pair,
+    # which then gives up (-1) as it should; a quiet moment gives the figure, so up to 3 tries.
+    for _ in range(3):
+        ns, slowest = measure(CPUS[:2], 2)
+        if ns and ns[0] > 0 and slowest is not None:
+            break
     assert len(ns) == 1 and 1 < ns[0] < 10_000   # tens of ns in one L3, hundreds across dies
     assert 1 < slowest < 10_000   # measured again: the slowest pair's, here the only one
 

@@ -103,7 +103,7 @@ def batch1_windows(llm, tokens: int, windows: int = 5, probe_gib: float = 0.5,
     out = []
     for _ in range(windows):
         before = read_bandwidth(repeats=3, buffer=buffer)
-        step, _ = _timed_steps(llm, 1, tokens, prompt_len, profile=False)
+        step, _ = decode_steps(llm, 1, tokens, prompt_len, profile=False)
         out.append((max(before, read_bandwidth(repeats=3, buffer=buffer)), step, line_transfer_ns()))
     return out
 
@@ -201,14 +201,6 @@ class StepProfile:
             setattr(owner, name, original)
 
 
-def decode_steps(llm, batch: int, tokens: int, prompt_len: int = PROMPT_LEN) -> tuple[float, dict]:
-    """Median seconds of a decode step with `batch` sequences as the engine runs it, and the
-    profile of those steps (seconds per step by category, 'Python and scheduling' the rest):
-    timed inside the native decoder stack where the steps run through it (`_native_stack`),
-    else from timers around the Python layers' kernel calls."""
-    return _timed_steps(llm, batch, tokens, prompt_len)
-
-
 def _native_stack(llm):
     """The native decoder stack the model's decode steps run through (built by the first step
     with the KV caches bound), or None where the Python layers run."""
@@ -226,7 +218,12 @@ def _prefill(core, batch: int) -> None:
         started.update(o.request_id for o in core.step())
 
 
-def _timed_steps(llm, batch: int, tokens: int, prompt_len: int, profile: bool = True) -> tuple[float, dict]:
+def decode_steps(llm, batch: int, tokens: int, prompt_len: int = PROMPT_LEN,
+                 profile: bool = True) -> tuple[float, dict]:
+    """Median seconds of a decode step with `batch` sequences as the engine runs it, and (with
+    `profile`) where those steps' time goes (seconds per step by category, 'Python and
+    scheduling' the rest): timed inside the native decoder stack where the steps run through it
+    (`_native_stack`), else from timers around the Python layers' kernel calls."""
     from cpuserve import SamplingParams
 
     core = llm.engine.core

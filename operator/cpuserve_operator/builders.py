@@ -124,12 +124,9 @@ def claim_rule(access_modes: list[str] | None, replicas: int) -> tuple[bool, str
     return True, None  # ReadWriteOnce: one node can mount it, so every replica runs there
 
 
-def build_pod(cr: dict, spec: ServerSpec, p: Placement, node_lost_grace_s: float = 300) -> dict:
-    name = pod_name(spec, p.index)
-    resources = {"cpu": str(p.cpus), "memory": str(p.memory)}
-    seccomp = {"type": spec.seccomp_type}
-    if spec.seccomp_type == "Localhost":
-        seccomp["localhostProfile"] = spec.seccomp_localhost
+def pod_volumes(spec: ServerSpec) -> tuple[list[dict], list[dict]]:
+    """The engine pod's volumes and the engine container's mounts of them: shared memory for the
+    ranks' channels, writable cache and /tmp beside a read-only root filesystem, and the model."""
     shm = SHM_BYTES_PER_RANK * spec.ranks + (64 << 20)
     volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(shm)}},
                {"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
@@ -146,6 +143,36 @@ def build_pod(cr: dict, spec: ServerSpec, p: Placement, node_lost_grace_s: float
     elif fetched(spec):  # the init container's download: kept across container restarts, not pod replacements
         volumes.append({"name": "model", "emptyDir": {"sizeLimit": f"{int(spec.size_gib * 1.25 * 1024) + 64}Mi"}})
         mounts.append({"name": "model", "mountPath": f"{MODEL_MOUNT}/fetched", "readOnly": True})
+    return volumes, mounts
+
+
+def engine_container(spec: ServerSpec, p: Placement, resources: dict, mounts: list[dict]) -> dict:
+    return {
+        "name": "engine",
+        "image": spec.image,
+        "imagePullPolicy": spec.pull_policy,
+        "command": ["cpuserve"],
+        "args": engine_args(spec),
+        "env": engine_env(spec, p),
+        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
+        # a failed start's last log lines become its termination message, read into status
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "resources": {"requests": dict(resources), "limits": dict(resources)},  # Guaranteed QoS
+        "securityContext": container_security(spec),
+        "startupProbe": _probe("http", periodSeconds=5, failureThreshold=120, timeoutSeconds=3),
+        "readinessProbe": _probe("http", periodSeconds=5, failureThreshold=2, timeoutSeconds=3),
+        "livenessProbe": _probe("http", periodSeconds=10, failureThreshold=3, timeoutSeconds=5),
+        "volumeMounts": mounts,
+    }
+
+
+def build_pod(cr: dict, spec: ServerSpec, p: Placement, node_lost_grace_s: float = 300) -> dict:
+    name = pod_name(spec, p.index)
+    resources = {"cpu": str(p.cpus), "memory": str(p.memory)}
+    seccomp = {"type": spec.seccomp_type}
+    if spec.seccomp_type == "Localhost":
+        seccomp["localhostProfile"] = spec.seccomp_localhost
+    volumes, mounts = pod_volumes(spec)
     annotations = {A_SLOT: p.slot.key}
     if p.rank_cpus:
         annotations[A_CPUS] = "|".join(",".join(map(str, c)) for c in p.rank_cpus)
@@ -172,23 +199,7 @@ def build_pod(cr: dict, spec: ServerSpec, p: Placement, node_lost_grace_s: float
                                 "runAsGroup": 1000, "fsGroup": 1000},
             **({"imagePullSecrets": [{"name": s} for s in spec.pull_secrets]} if spec.pull_secrets else {}),
             **({"initContainers": [fetch_container(spec, resources)]} if fetched(spec) else {}),
-            "containers": [{
-                "name": "engine",
-                "image": spec.image,
-                "imagePullPolicy": spec.pull_policy,
-                "command": ["cpuserve"],
-                "args": engine_args(spec),
-                "env": engine_env(spec, p),
-                "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
-                # a failed start's last log lines become its termination message, read into status
-                "terminationMessagePolicy": "FallbackToLogsOnError",
-                "resources": {"requests": dict(resources), "limits": dict(resources)},  # Guaranteed QoS
-                "securityContext": container_security(spec),
-                "startupProbe": _probe("http", periodSeconds=5, failureThreshold=120, timeoutSeconds=3),
-                "readinessProbe": _probe("http", periodSeconds=5, failureThreshold=2, timeoutSeconds=3),
-                "livenessProbe": _probe("http", periodSeconds=10, failureThreshold=3, timeoutSeconds=5),
-                "volumeMounts": mounts,
-            }],
+            "containers": [engine_container(spec, p, resources, mounts)],
             "volumes": volumes,
         },
     }

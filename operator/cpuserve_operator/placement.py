@@ -332,6 +332,82 @@ def slot_resources(node: Node, slot: Slot, spec: ServerSpec) -> tuple[int, tuple
     return cpus, tuple(lists)
 
 
+@dataclass
+class _Survey:
+    """The slots where a rank fits and no other server's pod runs, grouped by machine in name
+    order, and why the rest were passed over (for the condition when replicas go unplaced)."""
+    candidates: list[list[Slot]] = field(default_factory=list)
+    ineligible: list[str] = field(default_factory=list)
+    too_small: list[str] = field(default_factory=list)
+    no_cpu: list[str] = field(default_factory=list)
+
+
+def _slot_fits(node: Node, slot: Slot, spec: ServerSpec, survey: _Survey) -> bool:
+    where = f"{node.name} NUMA {','.join(map(str, slot.numa))}"
+    mem = min(next(x for x in node.numa if x.id == i).memory for i in slot.numa)
+    if mem < rank_memory(spec) * GiB:
+        survey.too_small.append(f"{where} has {mem / GiB:.1f} GiB")
+        return False
+    cpus, lists = slot_resources(node, slot, spec)
+    if cpus < 1 or (engine_binds(spec, node) and min(len(x) for x in lists) < 1):
+        survey.no_cpu.append(where)
+        return False
+    return True
+
+
+def _survey(spec: ServerSpec, nodes: list[Node], taken: dict[str, str]) -> _Survey:
+    survey = _Survey()
+    for node in sorted(nodes, key=lambda n: n.name):
+        why = eligible(node, spec)
+        if why:
+            survey.ineligible.append(f"{node.name}: {why}")
+            continue
+        # a pod takes its whole slot: never two pods on one NUMA slot
+        ok = [s for s in node_slots(node, spec) if _slot_fits(node, s, spec, survey) and s.key not in taken]
+        if ok:
+            survey.candidates.append(ok)
+    return survey
+
+
+def _assign(spec: ServerSpec, candidates: list[list[Slot]], current: dict[int, Slot], keep: set[str] | frozenset,
+            known: set[str]) -> dict[int, Slot]:
+    """Keeps each current placement that is still valid (or on a kept, known node), then fills the
+    other replicas round-robin over machines: every machine's first slot, then every second."""
+    valid = {s.key for group in candidates for s in group}
+    placed = {i: s for i, s in current.items()
+              if i < spec.replicas and (s.key in valid or (s.node in keep and s.node in known))}
+    used = {s.key for s in placed.values()}
+    order = [g[depth] for depth in range(max(map(len, candidates), default=0)) for g in candidates if depth < len(g)]
+    free = [s for s in order if s.key not in used]
+    for i in range(spec.replicas):
+        if i not in placed and free:
+            placed[i] = free.pop(0)
+    return placed
+
+
+def _placement(i: int, slot: Slot, node: Node, spec: ServerSpec) -> Placement:
+    cpus, lists = slot_resources(node, slot, spec)
+    return Placement(i, slot, cpus, pod_memory(spec), lists if engine_binds(spec, node) else (), node.arch,
+                     kubelet_pins=node.cpu_manager == "static", isa_labels=isa_labels(node, spec.required_isa))
+
+
+def _shortfall(spec: ServerSpec, out: list[Placement], survey: _Survey) -> Plan:
+    missing = spec.replicas - len(out)
+    if survey.too_small and not survey.candidates:
+        reason = (f"a rank needs {rank_memory(spec):.1f} GiB on its NUMA node ({memory_breakdown(spec)}), but "
+                  + "; ".join(survey.too_small[:4]))
+        return Plan(out, missing, reason, "DoesNotFitNUMANode")
+    detail = []
+    if survey.ineligible:
+        detail.append("ineligible nodes: " + "; ".join(survey.ineligible[:4]))
+    if survey.no_cpu:
+        detail.append(f"no CPU left after reservedCPUs={spec.reserved_cpus} on " + "; ".join(survey.no_cpu[:4]))
+    if survey.too_small:
+        detail.append("too little memory: " + "; ".join(survey.too_small[:4]))
+    return Plan(out, missing, f"{missing} of {spec.replicas} replicas have no free NUMA slot"
+                + (f" ({'; '.join(detail)})" if detail else ""), "InsufficientNUMASlots")
+
+
 def plan(spec: ServerSpec, nodes: list[Node], taken: dict[str, str] | None = None,
          current: dict[int, Slot] | None = None, keep: set[str] | frozenset = frozenset(),
          one_node: bool = False) -> Plan:
@@ -339,71 +415,16 @@ def plan(spec: ServerSpec, nodes: list[Node], taken: dict[str, str] | None = Non
     where it is still valid (no churn), and on the nodes in `keep` even when they are not
     eligible now (a NotReady node within its grace period); `taken` maps slot keys held by *other*
     servers' pods (pinning Engine never gives one NUMA slot to two pods).
-    Slots are filled spreading over machines first, in name order."""
-    taken = taken or {}
+    Slots are filled spreading over machines first, in name order; with `one_node` (a
+    ReadWriteOnce model claim) every replica goes where one already runs, else to the machine
+    with the most free slots."""
     current = current or {}
     by_name = {n.name: n for n in nodes}
-    need = rank_memory(spec) * GiB
-    too_small: list[str] = []
-    no_cpu: list[str] = []
-    ineligible: list[str] = []
-    candidates: list[list[Slot]] = []
-    for node in sorted(nodes, key=lambda n: n.name):
-        why = eligible(node, spec)
-        if why:
-            ineligible.append(f"{node.name}: {why}")
-            continue
-        ok = []
-        for slot in node_slots(node, spec):
-            mem = min(next(x for x in node.numa if x.id == i).memory for i in slot.numa)
-            if mem < need:
-                too_small.append(f"{node.name} NUMA {','.join(map(str, slot.numa))} has {mem / GiB:.1f} GiB")
-                continue
-            cpus, lists = slot_resources(node, slot, spec)
-            if cpus < 1 or (engine_binds(spec, node) and min(len(x) for x in lists) < 1):
-                no_cpu.append(f"{node.name} NUMA {','.join(map(str, slot.numa))}")
-                continue
-            if slot.key in taken:  # a pod takes its whole slot: never two pods on one NUMA slot
-                continue
-            ok.append(slot)
-        if ok:
-            candidates.append(ok)
-    if one_node and candidates:  # a ReadWriteOnce model claim: every replica where one already runs
+    survey = _survey(spec, nodes, taken or {})
+    candidates = survey.candidates
+    if one_node and candidates:
         home = next((s.node for s in current.values() if any(s in g for g in candidates)), None)
         candidates = [next((g for g in candidates if g[0].node == home), max(candidates, key=len))]
-    # keep valid current placements, then fill the rest round-robin over machines
-    valid = {s.key for group in candidates for s in group}
-    placed: dict[int, Slot] = {i: s for i, s in current.items() if i < spec.replicas and
-                               (s.key in valid or (s.node in keep and s.node in by_name))}
-    used = {s.key for s in placed.values()}
-    order: list[Slot] = []
-    for depth in range(max((len(g) for g in candidates), default=0)):
-        order.extend(g[depth] for g in candidates if depth < len(g))
-    free = [s for s in order if s.key not in used]
-    for i in range(spec.replicas):
-        if i not in placed and free:
-            placed[i] = free.pop(0)
-    out = []
-    for i, slot in sorted(placed.items()):
-        node = by_name[slot.node]
-        cpus, lists = slot_resources(node, slot, spec)
-        binds = engine_binds(spec, node)
-        out.append(Placement(i, slot, cpus, pod_memory(spec), lists if binds else (), node.arch,
-                             kubelet_pins=node.cpu_manager == "static",
-                             isa_labels=isa_labels(node, spec.required_isa)))
-    missing = spec.replicas - len(out)
-    if not missing:
-        return Plan(out)
-    if too_small and not valid:
-        reason = (f"a rank needs {rank_memory(spec):.1f} GiB on its NUMA node ({memory_breakdown(spec)}), but "
-                  + "; ".join(too_small[:4]))
-        return Plan(out, missing, reason, "DoesNotFitNUMANode")
-    detail = []
-    if ineligible:
-        detail.append("ineligible nodes: " + "; ".join(ineligible[:4]))
-    if no_cpu:
-        detail.append(f"no CPU left after reservedCPUs={spec.reserved_cpus} on " + "; ".join(no_cpu[:4]))
-    if too_small:
-        detail.append("too little memory: " + "; ".join(too_small[:4]))
-    return Plan(out, missing, f"{missing} of {spec.replicas} replicas have no free NUMA slot"
-                + (f" ({'; '.join(detail)})" if detail else ""), "InsufficientNUMASlots")
+    placed = _assign(spec, candidates, current, keep, set(by_name))
+    out = [_placement(i, slot, by_name[slot.node], spec) for i, slot in sorted(placed.items())]
+    return Plan(out) if len(out) == spec.replicas else _shortfall(spec, out, survey)

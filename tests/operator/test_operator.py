@@ -63,16 +63,8 @@ def condition(obj, type_):
     return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == type_), {})
 
 
-def test_lifecycle(cluster, operator):
-    add_node(cluster, "node-a")
-    add_node(cluster, "node-b")
-    cluster.kubectl("apply", "-f", "-", input=json.dumps({
-        "apiVersion": "cpuserve.dev/v1alpha1", "kind": "CPUModelServer", "metadata": {"name": "llm", "namespace": NS},
-        "spec": {"model": {"source": "packaged://smollm2", "servedName": "smollm2", "sizeGiB": 1},
-                 "engine": {"kvCacheGiB": 2}, "replicas": 3,
-                 "ingress": {"enabled": True, "host": "llm.example.com"}}}))
-
-    # pods placed one per NUMA node, spreading over machines, Guaranteed, pinned, probed
+def _placed_and_served(cluster):
+    """Pods placed one per NUMA node, spreading over machines, Guaranteed, pinned, probed."""
     got = wait_for(lambda: len(pods(cluster)) == 3 and pods(cluster), 60, "3 pods")
     by_replica = {p["metadata"]["labels"]["cpuserve.dev/replica"]: p for p in got}
     assert [by_replica[i]["spec"]["nodeName"] for i in "012"] == ["node-a", "node-b", "node-a"]
@@ -90,7 +82,9 @@ def test_lifecycle(cluster, operator):
     wait_for(lambda: cms(cluster).get("status", {}).get("phase") == "Loading", 30, "phase Loading")
     assert cms(cluster)["status"]["readyText"] == "0/3"
 
-    # the kubelet reports them Ready: the server is Ready and `kubectl wait` works
+
+def _becomes_ready(cluster) -> str:
+    """The kubelet reports them Ready: the server is Ready and `kubectl wait` works."""
     kubelet(cluster)
     cluster.kubectl("wait", "--for=condition=Ready", "cms/llm", "-n", NS, "--timeout=60s")
     st = cms(cluster)["status"]
@@ -98,9 +92,11 @@ def test_lifecycle(cluster, operator):
     assert {p["node"] for p in st["placements"]} == {"node-a", "node-b"}
     table = cluster.kubectl("get", "cms", "llm", "-n", NS).stdout
     assert "Ready" in table and "3/3" in table
+    return st["specHash"]
 
-    # a spec change rolls the pods one at a time
-    old_hash = st["specHash"]
+
+def _rolls_one_at_a_time(cluster, old_hash: str):
+    """A spec change rolls the pods one at a time."""
     cluster.kubectl("patch", "cms", "llm", "-n", NS, "--type=merge", "-p", '{"spec":{"engine":{"dtype":"bfloat16"}}}')
     most_starting = most_pods = 0
 
@@ -120,7 +116,9 @@ def test_lifecycle(cluster, operator):
         env = {e["name"]: e["value"] for e in p["spec"]["containers"][0]["env"]}
         assert "--dtype" in p["spec"]["containers"][0]["args"] and env["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
 
-    # the kubelet rejects a pod: reported, replaced (after a backoff, not in a hot loop)
+
+def _rejected_pod_replaced(cluster):
+    """The kubelet rejects a pod: reported, replaced (after a backoff, not in a hot loop)."""
     victim = sorted(pods(cluster), key=lambda p: p["metadata"]["name"])[0]["metadata"]["name"]
     set_status(cluster, victim, {"phase": "Failed", "reason": "OutOfcpu",
                                  "message": "Pod was rejected: Node didn't have enough resource: cpu",
@@ -132,7 +130,9 @@ def test_lifecycle(cluster, operator):
         return cms(cluster)["status"]["phase"] == "Ready" and len(pods(cluster)) == 3
     wait_for(replaced, 60, "replacement Ready", interval=0.5)
 
-    # a node goes away: its replica is re-placed; with too few slots left, Degraded says why
+
+def _node_lost(cluster):
+    """A node goes away: its replica is re-placed; with too few slots left, Degraded says why."""
     cluster.kubectl("delete", "node", "node-b")
 
     def degraded():
@@ -148,13 +148,17 @@ def test_lifecycle(cluster, operator):
         return cms(cluster)["status"]["phase"] == "Ready" and len(pods(cluster)) == 2
     wait_for(two_ready, 60, "Ready at 2 replicas", interval=0.5)
 
-    # a size no NUMA node can hold: refused with a condition that says so
+
+def _too_large_refused(cluster):
+    """A size no NUMA node can hold: refused with a condition that says so."""
     cluster.kubectl("patch", "cms", "llm", "-n", NS, "--type=merge", "-p", '{"spec":{"engine":{"kvCacheGiB":100}}}')
     wait_for(lambda: condition(cms(cluster), "Ready").get("reason") == "DoesNotFitNUMANode", 30, "DoesNotFitNUMANode")
     msg = condition(cms(cluster), "Ready")["message"]
     assert "102.0 GiB" in msg and "16.0 GiB" in msg and cms(cluster)["status"]["phase"] == "Failed"
 
-    # deletion: everything it owns is garbage collected
+
+def _deleted_and_collected(cluster):
+    """Deletion: everything it owns is garbage collected."""
     cluster.kubectl("delete", "cms", "llm", "-n", NS, "--wait=false")
     wait_for(lambda: cluster.kubectl("get", "cms", "llm", "-n", NS, check=False).returncode != 0, 60, "CR gone")
     try:
@@ -168,6 +172,22 @@ def test_lifecycle(cluster, operator):
         kubelet(cluster, ready=False)
         return not cluster.get("pods", "-n", NS, "-l", "cpuserve.dev/server=llm")["items"]
     wait_for(pods_gone, 60, "pods GC")
+
+
+def test_lifecycle(cluster, operator):
+    add_node(cluster, "node-a")
+    add_node(cluster, "node-b")
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "cpuserve.dev/v1alpha1", "kind": "CPUModelServer", "metadata": {"name": "llm", "namespace": NS},
+        "spec": {"model": {"source": "packaged://smollm2", "servedName": "smollm2", "sizeGiB": 1},
+                 "engine": {"kvCacheGiB": 2}, "replicas": 3,
+                 "ingress": {"enabled": True, "host": "llm.example.com"}}}))
+    _placed_and_served(cluster)
+    _rolls_one_at_a_time(cluster, _becomes_ready(cluster))
+    _rejected_pod_replaced(cluster)
+    _node_lost(cluster)
+    _too_large_refused(cluster)
+    _deleted_and_collected(cluster)
 
 
 def test_a_deleted_server_waits_at_most_a_second_for_a_resync_pass(monkeypatch):

@@ -52,15 +52,11 @@ std::vector<std::string> available_isas() {
   return out;
 }
 
-}  // namespace
+using G = py::call_guard<py::gil_scoped_release>;  // the kernels and the runner run without the GIL
+using KernelsClass = py::class_<Kernels>;
 
-PYBIND11_MODULE(_C, m) {
-  m.doc() = "cpuserve native kernels";
-  m.def("available_isas", &available_isas, "ISAs compiled in and supported by this CPU, best first");
-  m.def("omp_max_threads", []() { return omp_get_max_threads(); });
-  m.def("omp_set_num_threads", [](int n) { omp_set_num_threads(n); });
-
-  // -- CPU platform: affinity and NUMA memory policy (errno returned, never raised)
+// -- CPU platform: affinity and NUMA memory policy (errno returned, never raised)
+void bind_platform(py::module_& m) {
   m.def("get_mempolicy", []() {
     auto p = cpuserve::get_mempolicy();
     return py::make_tuple(p.err, p.mode, p.nodes);
@@ -79,13 +75,14 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_release release;
     return cpuserve::populate(reinterpret_cast<void*>(p), n);
   }, "fault in [p, p + n)'s pages as writes would, contents unchanged, over the OpenMP threads; errno or 0");
+}
 
-  // -- tensor-parallel communication over shared memory
+// -- tensor-parallel communication over shared memory
+void bind_comm(py::module_& m) {
   using cpuserve::ShmComm;
-  using G0 = py::call_guard<py::gil_scoped_release>;
   py::class_<ShmComm>(m, "ShmComm")
       .def(py::init<const std::string&, int, int, int64_t>(), py::arg("name"), py::arg("rank"), py::arg("world"),
-           py::arg("slot_bytes") = int64_t(4) << 20, G0())
+           py::arg("slot_bytes") = int64_t(4) << 20, G())
       .def_property_readonly("rank", &ShmComm::rank)
       .def_property_readonly("world", &ShmComm::world)
       .def_property_readonly("slot_bytes", &ShmComm::slot_bytes)
@@ -95,66 +92,71 @@ PYBIND11_MODULE(_C, m) {
       .def("all_reduce", [](ShmComm& c, uintptr_t data, int64_t n, int dtype) {
              if (dtype != 0 && dtype != 1) throw std::invalid_argument("all_reduce supports float32 and bfloat16");
              c.all_reduce(ptr<void>(data), n, static_cast<cpuserve::CommDType>(dtype));
-           }, G0())
+           }, G())
       .def("all_gather", [](ShmComm& c, uintptr_t in, uintptr_t out, const std::vector<int64_t>& sizes) {
              c.all_gather(ptr<const void>(in), ptr<void>(out), sizes);
-           }, G0())
-      .def("barrier", &ShmComm::barrier, G0())
+           }, G())
+      .def("barrier", &ShmComm::barrier, G())
       .def("abort", &ShmComm::abort)
       .def("unlink", &ShmComm::unlink);
+}
 
-  using G = py::call_guard<py::gil_scoped_release>;
-  using cpuserve::DecoderLayerDesc;
-  using cpuserve::DecoderStack;
-  using cpuserve::LinearDesc;
-  // A linear: (k, bias address or 0, [(weight address, kind, n), ...]); kind: DType code, 16 + ggml type, kInt8Kind (+ 1) or kQDotKind + ggml type.
-  using LinearSpec = std::tuple<int64_t, uintptr_t, std::vector<std::tuple<uintptr_t, int, int64_t>>>;
-  auto to_linear = [](const LinearSpec& s) {
-    LinearDesc l;
-    l.k = std::get<0>(s);
-    l.bias = std::get<1>(s) ? ptr<const float>(std::get<1>(s)) : nullptr;
-    for (const auto& [w, kind, n] : std::get<2>(s)) {
-      if (kind >= cpuserve::kQDotKind) qformat_checked(kind - cpuserve::kQDotKind, l.k);
-      else if (kind == cpuserve::kInt8Kind || kind == cpuserve::kInt8Kind + 1) {}  // W8A8
-      else if (kind >= 16) qformat_checked(kind - 16, l.k);
-      else to_dtype(kind);
-      l.parts.push_back({ptr<const void>(w), kind, n});
-      l.n += n;
-    }
-    return l;
-  };
+using cpuserve::DecoderLayerDesc;
+using cpuserve::DecoderStack;
+using cpuserve::LinearDesc;
+// A linear: (k, bias address or 0, [(weight address, kind, n), ...]); kind: DType code, 16 + ggml type, kInt8Kind (+ 1) or kQDotKind + ggml type.
+using LinearSpec = std::tuple<int64_t, uintptr_t, std::vector<std::tuple<uintptr_t, int, int64_t>>>;
+
+LinearDesc to_linear(const LinearSpec& s) {
+  LinearDesc l;
+  l.k = std::get<0>(s);
+  l.bias = std::get<1>(s) ? ptr<const float>(std::get<1>(s)) : nullptr;
+  for (const auto& [w, kind, n] : std::get<2>(s)) {
+    if (kind >= cpuserve::kQDotKind) qformat_checked(kind - cpuserve::kQDotKind, l.k);
+    else if (kind == cpuserve::kInt8Kind || kind == cpuserve::kInt8Kind + 1) {}  // W8A8
+    else if (kind >= 16) qformat_checked(kind - 16, l.k);
+    else to_dtype(kind);
+    l.parts.push_back({ptr<const void>(w), kind, n});
+    l.n += n;
+  }
+  return l;
+}
+
+void add_decoder_layer(DecoderStack& st, uintptr_t in_norm, uintptr_t post_norm, float eps, const LinearSpec& qkv,
+                       const LinearSpec& o, const LinearSpec& gate_up, const LinearSpec& down, uintptr_t q_norm,
+                       uintptr_t k_norm, int64_t hq, int64_t hk, int64_t d, int64_t group, int64_t q_off, float scale,
+                       int64_t window, float softcap, uintptr_t cos_sin, int64_t rot_dim, bool neox, uintptr_t kc,
+                       uintptr_t vc, int kv_dtype, int64_t block_size, float k_scale, float v_scale) {
+  DecoderLayerDesc L;
+  L.in_norm = ptr<const float>(in_norm);
+  L.post_norm = ptr<const float>(post_norm);
+  L.eps = eps;
+  L.qkv = to_linear(qkv);
+  L.o = to_linear(o);
+  L.gate_up = to_linear(gate_up);
+  L.down = to_linear(down);
+  L.q_norm = q_norm ? ptr<const float>(q_norm) : nullptr;
+  L.k_norm = k_norm ? ptr<const float>(k_norm) : nullptr;
+  L.hq = hq; L.hk = hk; L.d = d; L.group = group; L.q_off = q_off;
+  L.scale = scale; L.window = window; L.softcap = softcap;
+  L.cos_sin = ptr<const float>(cos_sin);
+  L.rot_dim = rot_dim; L.neox = neox;
+  L.k_cache = ptr<void>(kc); L.v_cache = ptr<void>(vc);
+  L.kv_dtype = to_dtype(kv_dtype);
+  L.block_size = block_size; L.k_scale = k_scale; L.v_scale = v_scale;
+  if (L.qkv.n != (hq + 2 * hk) * d || L.o.k != hq * d || L.gate_up.n != 2 * L.down.k)
+    throw std::invalid_argument("decoder layer shapes do not fit together");
+  st.add_layer(L);
+}
+
+// -- the decoder stack: a decode step's layers in one native call
+void bind_runner(py::module_& m) {
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init([](const Kernels& k, int64_t hidden, int64_t inter) {
              return new DecoderStack(k.t, hidden, inter);
            }), py::arg("kernels"), py::arg("hidden"), py::arg("intermediate"))
       .def("__len__", &DecoderStack::size)
-      .def("add_layer", [to_linear](DecoderStack& st, uintptr_t in_norm, uintptr_t post_norm, float eps,
-                                    const LinearSpec& qkv, const LinearSpec& o, const LinearSpec& gate_up,
-                                    const LinearSpec& down, uintptr_t q_norm, uintptr_t k_norm, int64_t hq,
-                                    int64_t hk, int64_t d, int64_t group, int64_t q_off, float scale, int64_t window,
-                                    float softcap, uintptr_t cos_sin, int64_t rot_dim, bool neox, uintptr_t kc,
-                                    uintptr_t vc, int kv_dtype, int64_t block_size, float k_scale, float v_scale) {
-             DecoderLayerDesc L;
-             L.in_norm = ptr<const float>(in_norm);
-             L.post_norm = ptr<const float>(post_norm);
-             L.eps = eps;
-             L.qkv = to_linear(qkv);
-             L.o = to_linear(o);
-             L.gate_up = to_linear(gate_up);
-             L.down = to_linear(down);
-             L.q_norm = q_norm ? ptr<const float>(q_norm) : nullptr;
-             L.k_norm = k_norm ? ptr<const float>(k_norm) : nullptr;
-             L.hq = hq; L.hk = hk; L.d = d; L.group = group; L.q_off = q_off;
-             L.scale = scale; L.window = window; L.softcap = softcap;
-             L.cos_sin = ptr<const float>(cos_sin);
-             L.rot_dim = rot_dim; L.neox = neox;
-             L.k_cache = ptr<void>(kc); L.v_cache = ptr<void>(vc);
-             L.kv_dtype = to_dtype(kv_dtype);
-             L.block_size = block_size; L.k_scale = k_scale; L.v_scale = v_scale;
-             if (L.qkv.n != (hq + 2 * hk) * d || L.o.k != hq * d || L.gate_up.n != 2 * L.down.k)
-               throw std::invalid_argument("decoder layer shapes do not fit together");
-             st.add_layer(L);
-           })
+      .def("add_layer", &add_decoder_layer)
       .def("set_embedding", [](DecoderStack& st, uintptr_t table, int dtype, int64_t rows) {
              st.set_embedding(ptr<const void>(table), to_dtype(dtype), rows);
            })
@@ -179,14 +181,11 @@ PYBIND11_MODULE(_C, m) {
                if (spent[i] > 0.0) out[cpuserve::kStepPartNames[i]] = spent[i];
              return out;
            });
+}
 
-  py::class_<Kernels>(m, "Kernels")
-      .def(py::init<const std::string&>(), py::arg("isa") = "")
-      .def_property_readonly("isa", [](const Kernels& k) { return std::string(k.t->isa); })
-      .def_property_readonly("vec_width", [](const Kernels& k) { return k.t->vec_width; })
-      .def_property_readonly("gemm_nr", [](const Kernels& k) { return k.t->gemm_nr; })
-      .def_property_readonly("bf16_dot", [](const Kernels& k) { return k.t->bf16_dot; })
-      .def("rms_norm", [](const Kernels& k, uintptr_t out, uintptr_t x, uintptr_t w, int64_t rows, int64_t dim,
+// -- a layer's kernels other than the linears
+void bind_layer_kernels(KernelsClass& cls) {
+  cls.def("rms_norm", [](const Kernels& k, uintptr_t out, uintptr_t x, uintptr_t w, int64_t rows, int64_t dim,
                           int64_t xs, int64_t os, float eps) {
              k.t->rms_norm(ptr<float>(out), ptr<const float>(x), ptr<const float>(w), rows, dim, xs, os, eps);
            }, G())
@@ -230,8 +229,12 @@ PYBIND11_MODULE(_C, m) {
            py::arg("num_seqs"), py::arg("num_q_heads"), py::arg("num_kv_heads"), py::arg("group"),
            py::arg("q_head_offset"), py::arg("head_dim"), py::arg("block_size"), py::arg("scale"),
            py::arg("sliding_window"), py::arg("softcap"), py::arg("q_stride"), py::arg("out_stride"),
-           py::arg("k_scale") = 1.f, py::arg("v_scale") = 1.f, G())
-      .def("pack_weight", [](const Kernels& k, uintptr_t dst, uintptr_t src, int dt, int64_t n, int64_t kk) {
+           py::arg("k_scale") = 1.f, py::arg("v_scale") = 1.f, G());
+}
+
+// -- float linears, and the roofline's read probe and the sampler's argmax
+void bind_float_kernels(KernelsClass& cls) {
+  cls.def("pack_weight", [](const Kernels& k, uintptr_t dst, uintptr_t src, int dt, int64_t n, int64_t kk) {
              k.t->pack_weight(ptr<void>(dst), ptr<const void>(src), to_dtype(dt), n, kk);
            }, G())
       .def("gemm", [](const Kernels& k, uintptr_t c, uintptr_t a, uintptr_t w, int dt, uintptr_t bias, int64_t m,
@@ -243,7 +246,16 @@ PYBIND11_MODULE(_C, m) {
                            int64_t kk, int64_t lda, int64_t ldo) {
              k.t->gemm_silu(ptr<float>(act), ptr<const float>(a), ptr<const void>(w), to_dtype(dt), m, f, kk, lda, ldo);
            }, G())
-      .def("qgemm_silu", [](const Kernels& k, uintptr_t act, uintptr_t a, uintptr_t w, int qt, int64_t m, int64_t f,
+      .def("read_sum", [](const Kernels& k, uintptr_t x, int64_t n) { return k.t->read_sum(ptr<const float>(x), n); },
+           G())
+      .def("argmax", [](const Kernels& k, uintptr_t out, uintptr_t x, int64_t rows, int64_t n, int64_t xs) {
+             k.t->argmax(ptr<int64_t>(out), ptr<const float>(x), rows, n, xs);
+           }, G());
+}
+
+// -- quantized linears: GGUF blocks widened in registers, W8A8 int8 and int8-activation dot products
+void bind_quant_kernels(KernelsClass& cls) {
+  cls.def("qgemm_silu", [](const Kernels& k, uintptr_t act, uintptr_t a, uintptr_t w, int qt, int64_t m, int64_t f,
                             int64_t kk, int64_t lda, int64_t ldo) {
              qformat_checked(qt, kk);
              k.t->qgemm_silu(ptr<float>(act), ptr<const float>(a), ptr<const uint8_t>(w), qt, m, f, kk, lda, ldo);
@@ -303,10 +315,26 @@ PYBIND11_MODULE(_C, m) {
                         int64_t kk) {
              qformat_checked(qt, kk);
              k.t->qdrows(ptr<float>(out), ptr<const uint8_t>(w), qt, ptr<const int64_t>(ids), count, kk);
-           }, G())
-      .def("read_sum", [](const Kernels& k, uintptr_t x, int64_t n) { return k.t->read_sum(ptr<const float>(x), n); },
-           G())
-      .def("argmax", [](const Kernels& k, uintptr_t out, uintptr_t x, int64_t rows, int64_t n, int64_t xs) {
-             k.t->argmax(ptr<int64_t>(out), ptr<const float>(x), rows, n, xs);
            }, G());
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "cpuserve native kernels";
+  m.def("available_isas", &available_isas, "ISAs compiled in and supported by this CPU, best first");
+  m.def("omp_max_threads", []() { return omp_get_max_threads(); });
+  m.def("omp_set_num_threads", [](int n) { omp_set_num_threads(n); });
+  bind_platform(m);
+  bind_comm(m);
+  bind_runner(m);
+  KernelsClass kernels(m, "Kernels");
+  kernels.def(py::init<const std::string&>(), py::arg("isa") = "")
+      .def_property_readonly("isa", [](const Kernels& k) { return std::string(k.t->isa); })
+      .def_property_readonly("vec_width", [](const Kernels& k) { return k.t->vec_width; })
+      .def_property_readonly("gemm_nr", [](const Kernels& k) { return k.t->gemm_nr; })
+      .def_property_readonly("bf16_dot", [](const Kernels& k) { return k.t->bf16_dot; });
+  bind_layer_kernels(kernels);
+  bind_float_kernels(kernels);
+  bind_quant_kernels(kernels);
 }

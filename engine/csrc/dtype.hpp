@@ -28,6 +28,18 @@ struct f8e4m3 { uint8_t bits; };
 // CPU without it.
 namespace {
 
+// Calls f with a null pointer of the KV cache element type `dt` names, a type tag for the kernels
+// templated on it (f(static_cast<T*>(nullptr))): every cache type the engine allocates.
+template <typename F> void with_cache_type(DType dt, F&& f) {
+  switch (dt) {
+    case DType::F32: return f(static_cast<float*>(nullptr));
+    case DType::BF16: return f(static_cast<bf16*>(nullptr));
+    case DType::F16: return f(static_cast<f16*>(nullptr));
+    case DType::F8E5M2: return f(static_cast<f8e5m2*>(nullptr));
+    case DType::F8E4M3: return f(static_cast<f8e4m3*>(nullptr));
+  }
+}
+
 inline float to_float(float x) { return x; }
 
 inline float to_float(bf16 x) {

@@ -242,9 +242,7 @@ def cmd_fetch(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cpuserve", description="LLM serving on CPUs")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_serve(sub) -> None:
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_engine_args(s)
     s.add_argument("--host", default="0.0.0.0")
@@ -263,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="on SIGTERM, seconds in-flight requests may take to finish while new ones get 503 "
                         "(keep it below the pod's terminationGracePeriodSeconds)")
     s.set_defaults(func=cmd_serve)
+
+
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate offline for a few prompts")
     add_engine_args(g)
     g.add_argument("--prompt", action="append", help="a prompt (repeatable); default: a few demo prompts")
@@ -272,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="wrap prompts in the model's chat template")
     g.add_argument("--json", action="store_true", help="print prompts, token ids and texts as JSON")
     g.set_defaults(func=cmd_generate)
+
+
+def _add_inspect(sub) -> None:
+    """The commands that look at this machine and the build: selftest, topology."""
     st = sub.add_parser("selftest", help="check every native kernel on every ISA of this CPU against torch")
     st.add_argument("--isa", action="append", help="only this ISA (repeatable); default: all available")
     st.add_argument("--json", action="store_true", help="machine-readable output")
@@ -281,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="plan the binding for this many ranks")
     t.add_argument("--root", default=None, help=argparse.SUPPRESS)  # a recorded /sys + /proc tree (tests)
     t.set_defaults(func=cmd_topology)
+
+
+def _add_bench(sub) -> None:
     bn = sub.add_parser("bench", help="this machine's roofline (bandwidth, GEMM peaks) and where the default "
                                       "model's decode sits on it, with the profile of a decode step")
     bn.add_argument("--dtype", action="append", choices=["gguf", "w8a8", "float32", "bfloat16"],
@@ -293,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
                          "decoded are prompt-len to prompt-len + tokens, and attention grows with them")
     bn.add_argument("--json", action="store_true", help="machine-readable output")
     bn.set_defaults(func=cmd_bench)
+
+
+def _add_model_tools(sub) -> None:
+    """The commands that make model files: quantize, fetch."""
     qz = sub.add_parser("quantize", help="write an AWQ- or GPTQ-layout 4-bit checkpoint, or a compressed-tensors "
                                          "INT8 W8A8 one, of a model (round to nearest; see entrypoints/quantize.py)")
     qz.add_argument("out", help="output directory")
@@ -307,7 +319,18 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--sha256", required=True, help="the file's SHA-256 (hex): nothing unverified is kept")
     f.add_argument("--dest", required=True, help="where the verified file goes")
     f.set_defaults(func=cmd_fetch)
-    a = parser.parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cpuserve", description="LLM serving on CPUs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_serve, _add_generate, _add_inspect, _add_bench, _add_model_tools):
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return a.func(a)

@@ -638,19 +638,12 @@ void paged_attention_impl(float* out, const float* q, const void* k_cache, const
                           int64_t hk, int64_t group, int64_t q_off, int64_t d, int64_t bs, float scale,
                           int64_t window, float softcap, int64_t q_stride, int64_t out_stride, float k_scale,
                           float v_scale) {
-  auto run = [&](auto* type_tag) {
+  with_cache_type(dt, [&](auto* type_tag) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
     paged_attention_t(AttnArgs<T>{{d, bs, window, scale, softcap}, out, q, static_cast<const T*>(k_cache),
                                   static_cast<const T*>(v_cache), block_tables, seq_lens, qsl, max_blocks, num_seqs,
                                   hq, hk, group, q_off, q_stride, out_stride, k_scale, v_scale});
-  };
-  switch (dt) {
-    case DType::F32: return run(static_cast<float*>(nullptr));
-    case DType::BF16: return run(static_cast<bf16*>(nullptr));
-    case DType::F16: return run(static_cast<f16*>(nullptr));
-    case DType::F8E5M2: return run(static_cast<f8e5m2*>(nullptr));
-    case DType::F8E4M3: return run(static_cast<f8e4m3*>(nullptr));
-  }
+  });
 }
 
 }  // namespace

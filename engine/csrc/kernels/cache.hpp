@@ -111,18 +111,11 @@ void reshape_and_cache_impl(const float* key, const float* value, void* k_cache,
                             DType dt, const int64_t* slot_mapping, int64_t tokens, int64_t heads,
                             int64_t d, int64_t block_size, int64_t key_stride, int64_t value_stride,
                             float k_scale, float v_scale) {
-  auto run = [&](auto* type_tag) {
+  with_cache_type(dt, [&](auto* type_tag) {
     using T = std::remove_pointer_t<decltype(type_tag)>;
     reshape_and_cache_t(key, value, static_cast<T*>(k_cache), static_cast<T*>(v_cache), slot_mapping, tokens,
                         heads, d, block_size, key_stride, value_stride, 1.f / k_scale, 1.f / v_scale);
-  };
-  switch (dt) {
-    case DType::F32: return run(static_cast<float*>(nullptr));
-    case DType::BF16: return run(static_cast<bf16*>(nullptr));
-    case DType::F16: return run(static_cast<f16*>(nullptr));
-    case DType::F8E5M2: return run(static_cast<f8e5m2*>(nullptr));
-    case DType::F8E4M3: return run(static_cast<f8e4m3*>(nullptr));
-  }
+  });
 }
 
 }  // namespace

@@ -354,6 +354,68 @@ def ratio(ours: list | None, theirs: list | None, key: str) -> str:
     return f"**{r:.2f}x**" if r >= 1 else f"{r:.2f}x"
 
 
+def offline_rows(off: dict) -> list[str]:
+    """One row per engine and weights, with cpuserve's ratio against it on the same weights."""
+    lines = []
+    for name, r in off.items():
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error'][:200]} | | | | | |")
+            continue
+        ours, theirs = off.get(counterpart(name), {}), r
+        if " int8-act " in name:  # against llama.cpp on the same file (which always quantizes activations)
+            ours, theirs = r, off.get(f"llama.cpp {name.split()[-1]}", {})
+        rat = " / ".join(ratio(ours.get(k), theirs.get(k), k) for k in ("offline_tok_s", "batch1_ms", "prefill_2048_s"))
+        lines.append(f"| {name} | {fmt(r.get('offline_tok_s'))} | {fmt(r.get('batch1_ms'), 2)} | "
+                     f"{fmt(r.get('prefill_2048_s'), 2)} | {fmt(r.get('ready_s'), 1)} | {fmt(r.get('peak_rss_mib'), 0)} | "
+                     f"{rat if not name.startswith('cpuserve') or ' int8-act ' in name else ''} |")
+    return lines
+
+
+def serving_table(serving: dict) -> list[str]:
+    lines = ["", "Serving (`serving.py`'s client: 128-token prompts of random ids, 128 greedy output tokens, C "
+             "concurrent streams back to back, a new connection per request; vLLM's OpenAI server and "
+             "`llama-server --parallel 16`):", "",
+             "| engine | ready s cold / warm | C | out tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |",
+             "|---|---|---|---|---|---|"]
+    for name, r in serving.items():
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error'][:200]} | | | | |")
+            continue
+        for lv in r["levels"]:
+            lines.append(f"| {name} | {r['ready_cold_s']:.1f} / {r['ready_warm_s']:.1f} | {lv['concurrency']} | "
+                         f"{lv['tok_s']:.1f} | {lv['ttft_p50']:.0f} / {lv['ttft_p99']:.0f} | "
+                         f"{lv['itl_p50']:.1f} / {lv['itl_p99']:.1f} |")
+    return lines
+
+
+def roofline_section(roof: dict, off: dict) -> list[str]:
+    """The machine's roofline, and each system's batch-1 against its bandwidth bound and its
+    offline throughput against the best GEMM peak measured here."""
+    from cpuserve.entrypoints import bench
+    mm = roof["machine"]
+    peak = max(*mm["kernel_gflops"].values(), *mm["torch_gflops"].values())
+    lines = ["", "## Roofline", "", "```", bench.format_report(roof), "```", "",
+             "Each system's batch-1 decode against the bandwidth bound of the bytes it reads per token at the "
+             "read bandwidth probed just before and after its runs (median over the runs; this machine's "
+             "bandwidth moves with its neighbours' load), and "
+             "its offline throughput as GFLOP/s (2 x 134M params a token) against the best GEMM peak measured "
+             f"here, torch's or ours, any dtype ({peak:.0f} GFLOP/s):", "",
+             "| system | bytes read per token (MiB) | read GB/s alongside | batch-1 of its bound | "
+             "offline GFLOP/s | of the peak |",
+             "|---|---|---|---|---|---|"]
+    params = next(iter(roof["engines"].values()))["params"]
+    for name, r in off.items():
+        if "error" in r or not r.get("batch1_ms"):
+            continue
+        nbytes = weight_bytes(name, roof)
+        gflops = r["offline_tok_s"][1] * 2 * params / 1e9
+        gbs = r.get("read_gbs", [0, mm["read_gbs"]])[1]
+        bound_ms = nbytes / (gbs * 1e9) * 1e3
+        lines.append(f"| {name} | {nbytes / 2**20:.0f} | {gbs:.1f} | {100 * bound_ms / r['batch1_ms'][1]:.0f}% | "
+                     f"{gflops:.0f} | {100 * gflops / peak:.0f}% |")
+    return lines
+
+
 def report(res: dict) -> None:
     m, off = res["machine"], res["offline"]
     lines = ["# cpuserve against its peers (`make bench-peers`)", "",
@@ -367,59 +429,13 @@ def report(res: dict) -> None:
              "| engine | offline 64 x 128/128 out tok/s | batch-1 decode ms/token | 2,048-token prefill s | "
              "ready s (warm) | peak RSS MiB | ratio: offline / batch-1 / prefill |",
              "|---|---|---|---|---|---|---|"]
-    for name, r in off.items():
-        if "error" in r:
-            lines.append(f"| {name} | failed: {r['error'][:200]} | | | | | |")
-            continue
-        ours, theirs = off.get(counterpart(name), {}), r
-        if " int8-act " in name:  # against llama.cpp on the same file (which always quantizes activations)
-            ours, theirs = r, off.get(f"llama.cpp {name.split()[-1]}", {})
-        rat = " / ".join(ratio(ours.get(k), theirs.get(k), k) for k in ("offline_tok_s", "batch1_ms", "prefill_2048_s"))
-        lines.append(f"| {name} | {fmt(r.get('offline_tok_s'))} | {fmt(r.get('batch1_ms'), 2)} | "
-                     f"{fmt(r.get('prefill_2048_s'), 2)} | {fmt(r.get('ready_s'), 1)} | {fmt(r.get('peak_rss_mib'), 0)} | "
-                     f"{rat if not name.startswith('cpuserve') or ' int8-act ' in name else ''} |")
+    lines += offline_rows(off)
     lines += alternating_table(res.get("batch1_alternating"))
-    lines += ["", "Serving (`serving.py`'s client: 128-token prompts of random ids, 128 greedy output tokens, C "
-              "concurrent streams back to back, a new connection per request; vLLM's OpenAI server and "
-              "`llama-server --parallel 16`):", "",
-              "| engine | ready s cold / warm | C | out tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |",
-              "|---|---|---|---|---|---|"]
-    for name, r in res["serving"].items():
-        if "error" in r:
-            lines.append(f"| {name} | failed: {r['error'][:200]} | | | | |")
-            continue
-        for lv in r["levels"]:
-            lines.append(f"| {name} | {r['ready_cold_s']:.1f} / {r['ready_warm_s']:.1f} | {lv['concurrency']} | "
-                         f"{lv['tok_s']:.1f} | {lv['ttft_p50']:.0f} / {lv['ttft_p99']:.0f} | "
-                         f"{lv['itl_p50']:.1f} / {lv['itl_p99']:.1f} |")
+    lines += serving_table(res["serving"])
     readme_tables.update("peers", lines[2:] + ["", "Command: `make bench-peers`; roofline, plots and JSON in "
                                                    "[docs/bench/PEERS.md](docs/bench/PEERS.md)."])
-    roof = res.get("roofline", {})
-    if "machine" in roof:
-        from cpuserve.entrypoints import bench
-        mm = roof["machine"]
-        lines += ["", "## Roofline", "", "```", bench.format_report(roof), "```", "",
-                  "Each system's batch-1 decode against the bandwidth bound of the bytes it reads per token at the "
-                  "read bandwidth probed just before and after its runs (median over the runs; this machine's "
-                  "bandwidth moves with its neighbours' load), and "
-                  "its offline throughput as GFLOP/s (2 x 134M params a token) against the best GEMM peak measured "
-                  f"here, torch's or ours, any dtype "
-                  f"({max(*mm['kernel_gflops'].values(), *mm['torch_gflops'].values()):.0f} GFLOP/s):", "",
-                  "| system | bytes read per token (MiB) | read GB/s alongside | batch-1 of its bound | "
-                  "offline GFLOP/s | of the peak |",
-                  "|---|---|---|---|---|---|"]
-        params = next(iter(roof["engines"].values()))["params"]
-        peak = max(*mm["kernel_gflops"].values(), *mm["torch_gflops"].values())
-        for name, r in off.items():
-            if "error" in r or not r.get("batch1_ms"):
-                continue
-            nbytes = weight_bytes(name, roof)
-            gflops = r["offline_tok_s"][1] * 2 * params / 1e9
-            gbs = r.get("read_gbs", [0, mm["read_gbs"]])[1]
-            bound_ms = nbytes / (gbs * 1e9) * 1e3
-            lines.append(f"| {name} | {nbytes / 2**20:.0f} | {gbs:.1f} | {100 * bound_ms / r['batch1_ms'][1]:.0f}% | "
-                         f"{gflops:.0f} | "
-                         f"{100 * gflops / peak:.0f}% |")
+    if "machine" in res.get("roofline", {}):
+        lines += roofline_section(res["roofline"], off)
     lines.append("")
     (OUT / "PEERS.md").write_text("\n".join(lines))
     plot(res)

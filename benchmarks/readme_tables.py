@@ -4,6 +4,8 @@ each bench script replaces the block between its markers. Every table names the 
 from __future__ import annotations
 
 import platform
+import subprocess
+import time
 from pathlib import Path
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -37,6 +39,25 @@ def amd_core(family: int, model: int) -> str | None:
     if family == 0x19:
         return "Zen 4" if 0x10 <= model <= 0x1f or 0x60 <= model <= 0x7f or 0xa0 <= model <= 0xaf else "Zen 3"
     return "Zen 5" if family == 0x1a else None
+
+
+def run_stamp(when: float | None = None, commit: str | None = None) -> str:
+    """When and from which commit a table was measured: "2026-11-29 17:40 UTC, commit 14a80b8"
+    ("+ local changes" where the engine or the benchmarks differ from it)."""
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(when))
+    if commit is None:
+        commit = _git("rev-parse", "--short", "HEAD")
+        if commit and _git("status", "--porcelain", "--", "engine", "benchmarks"):
+            commit += " + local changes"
+    return f"{stamp}, commit {commit}" if commit else stamp
+
+
+def _git(*args: str) -> str:
+    try:
+        out = subprocess.run(["git", *args], cwd=README.parent, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
 
 
 def update(name: str, lines: list[str]) -> None:

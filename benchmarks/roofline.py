@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from readme_tables import cpu_name
+from readme_tables import cpu_name, run_stamp
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "bench"
@@ -20,11 +20,12 @@ def main() -> None:
     from cpuserve.model_executor.ops import KERNELS
 
     r = bench.run(batch=64, tokens=32)
-    r.update(cpu=cpu_name(), cores=os.cpu_count(), isa=KERNELS.isa)
+    r.update(cpu=cpu_name(), cores=os.cpu_count(), isa=KERNELS.isa, when=run_stamp())
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "roofline.json").write_text(json.dumps(r, indent=1) + "\n")
     md = (f"# Roofline and decode-step profile (`make bench`, or `cpuserve bench` on your machine)\n\n"
-          f"Machine: {r['cpu']}, {r['cores']} CPUs, kernels: {r['isa']}. Default model (SmolLM2-135M).\n\n"
+          f"Machine: {r['cpu']}, {r['cores']} CPUs, kernels: {r['isa']}; {r['when']}. "
+          "Default model (SmolLM2-135M).\n\n"
           "```\n" + bench.format_report(r) + "\n```\n")
     (OUT / "roofline.md").write_text(md)
     print(md)

@@ -31,7 +31,6 @@ OUT = ROOT / "docs" / "bench"
 LEVELS = [int(x) for x in os.environ.get("BENCH_CONCURRENCY", "1,4,16,64").split(",")]
 INPUT_LEN, OUTPUT_LEN = 128, 128
 LONG = (4, 1024)  # streams, output tokens each
-VLLM_REFERENCE = {1: {"ttft_ms": 238, "itl_ms": 35.6}, 16: {"tok_s": 150, "ttft_ms": 3200}}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -150,25 +149,23 @@ def write(rows: list[dict], offline_ms: float, dtype: str) -> None:
     sweep = [r for r in rows if r["output_len"] == OUTPUT_LEN]  # the plot: the concurrency sweep
     weights = "its Q4_1 blocks" if dtype == "gguf" else f"{dtype} weights"
     lines = ["# Serving benchmark (`make bench`)", "",
-             f"Machine: {readme_tables.cpu_name()}, {os.cpu_count()} CPUs. "
+             f"Machine: {readme_tables.cpu_name()}, {os.cpu_count()} CPUs; {readme_tables.run_stamp()}. "
              f"`cpuserve serve` ({weights}) on the default model, streaming completions over loopback: "
              f"{INPUT_LEN}-token prompts (random ids), {OUTPUT_LEN} greedy output tokens ({LONG[1]:,} in the last "
              f"row), C concurrent clients sending back to back. API CPU: the API process's CPU time per output token "
              f"(on this {os.cpu_count()}-CPU machine, time the engine's threads lose).", "",
              "| concurrency | output tokens | requests | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | "
-             "ITL p99 ms | API CPU us/token | vLLM CPU (reported) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "ITL p99 ms | API CPU us/token |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ref = VLLM_REFERENCE.get(r["concurrency"], {}) if r["output_len"] == OUTPUT_LEN else {}
-        ref_s = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in ref.items())
         lines.append(f"| {r['concurrency']} | {r['output_len']:,} | {r['requests']} | {r['tok_s']:.1f} | "
                      f"{r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | {r['itl_p50']:.1f} | {r['itl_p99']:.1f} | "
-                     f"{r['api_cpu_us_per_token']:.0f} | {ref_s} |")
+                     f"{r['api_cpu_us_per_token']:.0f} |")
     if one:
         lines += ["", f"API process overhead per token at 1 stream: ITL p50 {one['itl_p50']:.2f} ms served vs "
                   f"{offline_ms:.2f} ms offline decode step = {one['itl_p50'] - offline_ms:+.2f} ms."]
-    lines += ["", "vLLM figures: as quoted in the server issue for vLLM's CPU backend serving the same model in float32 "
-              "on this kind of machine (not measured here).", ""]
+    lines += ["", "vLLM's OpenAI server and `llama-server` on the same client, model and machine, run side by side "
+              "with `cpuserve serve`: `make bench-peers` (docs/bench/PEERS.md).", ""]
     (OUT / "serving.md").write_text("\n".join(lines))
     readme_tables.update("serving", lines[2:])
     (OUT / "serving.json").write_text(json.dumps({"levels": rows, "offline_decode_ms": offline_ms}, indent=2))

@@ -14,7 +14,7 @@ import statistics
 import time
 from pathlib import Path
 
-from readme_tables import cpu_name
+from readme_tables import cpu_name, run_stamp
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "bench"
@@ -61,13 +61,13 @@ def main() -> None:
     free, _ = run(llm, None)
     spec = GrammarSpec("regex", "[a-z ,.]*")
     constrained, masks = run(llm, spec)
-    res = {"cpu": cpu_name(), "cores": os.cpu_count(), "batch": BATCH, "free_step_ms": free * 1e3,
+    res = {"cpu": cpu_name(), "cores": os.cpu_count(), "when": run_stamp(), "batch": BATCH, "free_step_ms": free * 1e3,
            "constrained_step_ms": constrained * 1e3, "mask_ms_per_step": masks * 1e3,
            "overhead_pct": 100 * (constrained / free - 1)}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "structured.json").write_text(json.dumps(res, indent=1) + "\n")
     md = (f"Structured output at batch {BATCH} (`python benchmarks/structured_output.py`), {res['cpu']}, "
-          f"{res['cores']} CPUs, float32, SmolLM2-135M:\n\n| decode step | median ms |\n|---|---|\n"
+          f"{res['cores']} CPUs ({res['when']}), float32, SmolLM2-135M:\n\n| decode step | median ms |\n|---|---|\n"
           f"| free | {res['free_step_ms']:.1f} |\n| every row under a regex | {res['constrained_step_ms']:.1f} |\n"
           f"| of which the grammar's masks (fill + apply) | {res['mask_ms_per_step']:.1f} |\n\n"
           f"Cost of the constraint: {res['overhead_pct']:+.0f}% per step.\n")

@@ -21,6 +21,8 @@ import time
 import uuid
 from pathlib import Path
 
+import readme_tables
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "bench"
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20]
@@ -156,7 +158,8 @@ def main() -> None:
         drows.append(f"| batch {b} | {one['ms_per_step']:.1f} ms | {two['ms_per_step']:.1f} ms | "
                      f"{pct(two['comm_share'])} ({two['calls_per_step'][0]:.0f} calls/step) | "
                      f"{pct(two['work_share'])} | {pct(two['wait_share'])} |")
-    machine = f"{os.cpu_count()} CPUs, {len(os.sched_getaffinity(0))} allowed"
+    machine = (f"{readme_tables.cpu_name()}, {os.cpu_count()} CPUs, {len(os.sched_getaffinity(0))} allowed; "
+               f"{readme_tables.run_stamp()}")
     md = [f"Two processes, one core each ({machine}); all-reduce latency, median of 5 timed loops.", "",
           *rows, "", "TP=2 here means one core per rank (this machine has one NUMA node and two cores).", "",
           *drows]
@@ -179,10 +182,7 @@ def main() -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(OUT / "tensor_parallel.png", dpi=110)
-    sys.path.insert(0, str(Path(__file__).parent))
-    from readme_tables import update
-
-    update("tensor-parallel", md)
+    readme_tables.update("tensor-parallel", md)
     print("\n".join(md))
 
 

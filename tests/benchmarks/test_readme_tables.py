@@ -19,3 +19,8 @@ def test_the_name_carries_family_model_and_zen_generation():
     xeon = cpuinfo("GenuineIntel", 6, 143, "Intel(R) Xeon(R) Platinum 8481C")
     assert readme_tables.cpu_name(xeon) == "Intel(R) Xeon(R) Platinum 8481C (family 6, model 143)"
     assert readme_tables.cpu_name("model name\t: some CPU\n") == "some CPU"
+
+
+def test_the_run_stamp_says_when_and_from_which_commit():
+    assert readme_tables.run_stamp(0, "abc1234") == "1970-01-01 00:00 UTC, commit abc1234"
+    assert readme_tables.run_stamp(86400 * 365, "") == "1971-01-01 00:00 UTC"

@@ -271,7 +271,7 @@ def _add_serve(sub) -> None:
     s.add_argument("--drain-timeout", type=float, default=25.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish while new ones get 503 "
                         "(keep it below the pod's terminationGracePeriodSeconds)")
-    s.set_defaults(func=cmd_serve, problem=serve_arguments_problem)
+    s.set_defaults(func=cmd_serve, problem=serve_arguments_problem, command_parser=s)
 
 
 def _add_generate(sub) -> None:
@@ -311,7 +311,7 @@ def _add_bench(sub) -> None:
                     help="prompt tokens before those steps (default 128, the benchmarks' prompts): the contexts "
                          "decoded are prompt-len to prompt-len + tokens, and attention grows with them")
     bn.add_argument("--json", action="store_true", help="machine-readable output")
-    bn.set_defaults(func=cmd_bench, problem=bench_arguments_problem)
+    bn.set_defaults(func=cmd_bench, problem=bench_arguments_problem, command_parser=bn)
 
 
 def _add_model_tools(sub) -> None:
@@ -341,11 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    a = parser.parse_args(argv)
+    a = build_parser().parse_args(argv)
     problem = a.problem(a) if hasattr(a, "problem") else None
-    if problem:  # as argparse refuses what it checks itself: usage, the message, exit status 2
-        parser.error(f"{a.command}: {problem}")
+    if problem:  # as argparse refuses the command's options itself: its usage, the message, status 2
+        a.command_parser.error(problem)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return a.func(a)

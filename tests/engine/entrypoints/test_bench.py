@@ -151,6 +151,6 @@ def test_the_cli_passes_the_prompt_length_and_refuses_what_cannot_be_measured(mo
         with pytest.raises(SystemExit) as refused:
             cli.main(["bench", *argv])
         assert refused.value.code == 2
-        assert "cpuserve: error: bench: --prompt-len and --batch must be >= 1 and --tokens >= 2" in \
+        assert "cpuserve bench: error: --prompt-len and --batch must be >= 1 and --tokens >= 2" in \
             capsys.readouterr().err
     assert len(calls) == 1

@@ -22,8 +22,8 @@ def test_bad_serve_options_are_refused_before_anything_loads(served, capsys, arg
         cli.main(["serve", *argv])
     assert refused.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: cpuserve")
-    assert f"cpuserve: error: serve: {message}" in err
+    assert err.startswith("usage: cpuserve serve")
+    assert f"cpuserve serve: error: {message}" in err
     assert served == []
 
 

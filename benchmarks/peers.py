@@ -339,8 +339,7 @@ def main() -> None:
 
 
 def commit() -> str:
-    out = subprocess.run(["git", "log", "-1", "--format=%h"], capture_output=True, text=True, cwd=OUT)
-    return f"commit {out.stdout.strip()}" if out.returncode == 0 else "commit unknown"
+    return f"commit {readme_tables.head_commit() or 'unknown'}"
 
 
 def fmt(v: list | None, digits: int = 1) -> str:

@@ -46,10 +46,15 @@ def run_stamp(when: float | None = None, commit: str | None = None) -> str:
     ("+ local changes" where the engine or the benchmarks differ from it)."""
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(when))
     if commit is None:
-        commit = _git("rev-parse", "--short", "HEAD")
+        commit = head_commit()
         if commit and _git("status", "--porcelain", "--", "engine", "benchmarks"):
             commit += " + local changes"
     return f"{stamp}, commit {commit}" if commit else stamp
+
+
+def head_commit() -> str:
+    """The checkout's commit, abbreviated; "" outside a git checkout."""
+    return _git("rev-parse", "--short", "HEAD")
 
 
 def _git(*args: str) -> str:

@@ -333,7 +333,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("isa", [](const Kernels& k) { return std::string(k.t->isa); })
       .def_property_readonly("vec_width", [](const Kernels& k) { return k.t->vec_width; })
       .def_property_readonly("gemm_nr", [](const Kernels& k) { return k.t->gemm_nr; })
-      .def_property_readonly("bf16_dot", [](const Kernels& k) { return k.t->bf16_dot; });
+      .def_property_readonly("bf16_dot", [](const Kernels& k) { return k.t->bf16_dot; })
+      .def_property_readonly("bf16_k_align", [](const Kernels& k) { return k.t->bf16_k_align; });
   bind_layer_kernels(kernels);
   bind_float_kernels(kernels);
   bind_quant_kernels(kernels);

@@ -8,6 +8,10 @@
 #if defined(__s390x__) || defined(__aarch64__)
 #include <sys/auxv.h>
 #endif
+#if defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #if defined(__aarch64__) && !defined(HWCAP_ASIMDDP)
 #define HWCAP_ASIMDDP (1 << 20)
 #endif
@@ -31,6 +35,9 @@ const KernelTable* table_avx512_vnni() { return nullptr; }
 #ifndef CPUSERVE_HAVE_AVX512_BF16
 const KernelTable* table_avx512_bf16() { return nullptr; }
 #endif
+#ifndef CPUSERVE_HAVE_AMX_BF16
+const KernelTable* table_amx_bf16() { return nullptr; }
+#endif
 #ifndef CPUSERVE_HAVE_NEON
 const KernelTable* table_neon() { return nullptr; }
 #endif
@@ -43,9 +50,25 @@ const KernelTable* table_vxe() { return nullptr; }
 
 namespace {
 
+#if defined(__x86_64__)
+// Linux hands out the AMX tile data state (XTILEDATA, 8 KiB a thread) only to a process that asks
+// for it (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16+); a kernel that refuses leaves the tiles
+// unusable whatever CPUID says. Asked once; the permission covers every thread of the process.
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+#endif
+
 bool cpu_has(const char* isa) {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
+  if (std::strcmp(isa, "amx_bf16") == 0)
+    return cpu_has("avx512_bf16") && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+           amx_permitted();
   if (std::strcmp(isa, "avx512_bf16") == 0) return cpu_has("avx512_vnni") && __builtin_cpu_supports("avx512bf16");
   if (std::strcmp(isa, "avx512_vnni") == 0) return cpu_has("avx512") && __builtin_cpu_supports("avx512vnni");
   if (std::strcmp(isa, "avx512") == 0)
@@ -71,6 +94,7 @@ const KernelTable* table_by_name(const char* name) {
   else if (std::strcmp(name, "avx512") == 0) t = table_avx512();
   else if (std::strcmp(name, "avx512_vnni") == 0) t = table_avx512_vnni();
   else if (std::strcmp(name, "avx512_bf16") == 0) t = table_avx512_bf16();
+  else if (std::strcmp(name, "amx_bf16") == 0) t = table_amx_bf16();
   else if (std::strcmp(name, "neon") == 0) t = table_neon();
   else if (std::strcmp(name, "neon_dotprod") == 0) t = table_neon_dotprod();
   else if (std::strcmp(name, "vxe") == 0) t = table_vxe();

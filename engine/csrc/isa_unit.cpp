@@ -27,6 +27,7 @@ const KernelTable* CPUSERVE_TABLE_FN() {
       VecF::N,
       kNR,
       kBf16Pairs,
+      kBf16KAlign,
       &rms_norm_impl,
       &fused_add_rms_norm_impl,
       &rotary_impl,

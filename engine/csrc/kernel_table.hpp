@@ -15,6 +15,9 @@ struct KernelTable {
   // bfloat16 weights run as pair dot products on A rounded to bfloat16 (AVX-512 BF16); a
   // packed bf16 weight then holds ceil(K/2) pairs a column (K rounded up to even)
   bool bf16_dot;
+  // K of a bfloat16 weight rounded up to this multiple in its packed panels (zeros): 32 on AMX
+  // (whole tiles of 16 pairs), else 2; pack_weight's buffer holds panels x gemm_nr x that K
+  int bf16_k_align;
 
   // out[r, :] = x[r, :] / rms(x[r, :]) * w           (out may alias x)
   void (*rms_norm)(float* out, const float* x, const float* w, int64_t rows, int64_t dim,
@@ -99,9 +102,9 @@ struct KernelTable {
   void (*argmax)(int64_t* out, const float* x, int64_t rows, int64_t n, int64_t x_stride);
 };
 
-// Every ISA name, best first: a CPU with a variant (avx512_bf16 = avx512_vnni + bf16 pair dot
-// products, avx512_vnni, neon_dotprod) also runs the plain table, which the tests compare against.
-constexpr const char* kIsaNames[] = {"avx512_bf16", "avx512_vnni", "avx512", "avx2", "neon_dotprod", "neon", "vxe", "scalar"};
+// Every ISA name, best first: a CPU with a variant (amx_bf16 = avx512_bf16 + bfloat16 GEMMs on AMX
+// tiles, avx512_bf16 = avx512_vnni + bf16 pair dot products, avx512_vnni, neon_dotprod) also runs the plain table, which the tests compare against.
+constexpr const char* kIsaNames[] = {"amx_bf16", "avx512_bf16", "avx512_vnni", "avx512", "avx2", "neon_dotprod", "neon", "vxe", "scalar"};
 
 // Tables compiled into this build (nullptr where the ISA is not built).
 const KernelTable* table_scalar();
@@ -109,6 +112,7 @@ const KernelTable* table_avx2();
 const KernelTable* table_avx512();
 const KernelTable* table_avx512_vnni();
 const KernelTable* table_avx512_bf16();
+const KernelTable* table_amx_bf16();
 const KernelTable* table_neon();
 const KernelTable* table_neon_dotprod();
 const KernelTable* table_vxe();

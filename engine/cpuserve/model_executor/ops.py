@@ -183,7 +183,8 @@ class PackedWeight:
         self.dtype = weight.dtype
         nr = k.gemm_nr
         panels = (self.n + nr - 1) // nr
-        self.data = _weight_buffer(panels * nr * (self.k + self.k % 2), weight.dtype)  # bf16 pairs: K even
+        align = k.bf16_k_align if weight.dtype == torch.bfloat16 else 2  # bf16 pairs: K even, AMX tiles: 32
+        self.data = _weight_buffer(panels * nr * (-(-self.k // align) * align), weight.dtype)
         k.pack_weight(self.data.data_ptr(), weight.data_ptr(), _dtype_code(weight.dtype), self.n, self.k)
 
     @property

@@ -15,6 +15,7 @@
 #include <vector>
 #include <omp.h>
 #include "activation.hpp"
+#include "amx.hpp"
 #include "gemm.hpp"
 #include "int8.hpp"
 #include "qdot.hpp"
@@ -109,7 +110,9 @@ void gemm_silu_impl(float* act, const float* a, const void* w, DType dt, int64_t
   if (f % kNR != 0)
     return silu_after(act, m, f, ldo,
                       [&](float* proj) { gemm_impl(proj, a, w, dt, nullptr, m, 2 * f, k, lda, 2 * f); });
-#ifdef __AVX512BF16__
+#ifdef __AMX_BF16__
+  if (dt == DType::BF16) return amx_gemm_silu(act, a, static_cast<const bf16x2*>(w), m, f, k, lda, ldo);
+#elif defined(__AVX512BF16__)
   if (dt == DType::BF16) {
     const int64_t k2 = (k + 1) / 2;
     return gemm_silu_t(act, bf16_pairs_of(a, m, k, lda), static_cast<const bf16x2*>(w), m, f, k2, k2, ldo);

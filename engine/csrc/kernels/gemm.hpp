@@ -108,15 +108,24 @@ constexpr bool widened_pairs(int64_t k) { return WidensPairs<VecF>::value && !kB
 template <typename Gemm, typename V = VecF>
 inline bool run_widened_pairs(const float* a, int64_t m, int64_t k, int64_t lda, const void* w, Gemm&& gemm);
 
-// W [N, K] bf16 -> panels of (k, k+1) pairs [ceil(N/nr)][ceil(K/2)][nr], an odd K padded with a zero.
+// The multiple of K that a bfloat16 weight packed as pairs is padded to with zeros: whole AMX
+// tiles of 16 pairs on the amx_bf16 table (amx.hpp), else an even K (KernelTable::bf16_k_align).
+#ifdef __AMX_BF16__
+constexpr int kBf16KAlign = 32;
+#else
+constexpr int kBf16KAlign = 2;
+#endif
+constexpr int64_t packed_pairs(int64_t k) { return (k + kBf16KAlign - 1) / kBf16KAlign * kBf16KAlign / 2; }
+
+// W [N, K] bf16 -> panels of (k, k+1) pairs [ceil(N/nr)][packed_pairs(K)][nr], zero padded.
 void pack_bf16_pairs(bf16x2* dst, const bf16* src, int64_t n, int64_t k) {
-  const int64_t panels = (n + kNR - 1) / kNR, k2 = (k + 1) / 2;
+  const int64_t panels = (n + kNR - 1) / kNR, k2 = packed_pairs(k);
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < panels; ++p)
     for (int64_t q = 0; q < k2; ++q)
       for (int j = 0; j < kNR; ++j) {
         const int64_t col = p * kNR + j;
-        const uint32_t lo = col < n ? src[col * k + 2 * q].bits : 0;
+        const uint32_t lo = col < n && 2 * q < k ? src[col * k + 2 * q].bits : 0;
         const uint32_t hi = col < n && 2 * q + 1 < k ? src[col * k + 2 * q + 1].bits : 0;
         dst[(p * k2 + q) * kNR + j] = bf16x2{lo | (hi << 16)};
       }
@@ -384,9 +393,17 @@ inline bool run_widened_pairs(const float* a, int64_t m, int64_t k, int64_t lda,
   }
 }
 
+#ifdef __AMX_BF16__
+// amx.hpp: every bfloat16 GEMM of the amx_bf16 table
+void amx_gemm(float* c, const float* a, const bf16x2* w, const float* bias, int64_t m, int64_t n, int64_t k,
+              int64_t lda, int64_t ldc);
+#endif
+
 void gemm_impl(float* c, const float* a, const void* w, DType dt, const float* bias, int64_t m,
                int64_t n, int64_t k, int64_t lda, int64_t ldc) {
-#ifdef __AVX512BF16__
+#ifdef __AMX_BF16__
+  if (dt == DType::BF16) return amx_gemm(c, a, static_cast<const bf16x2*>(w), bias, m, n, k, lda, ldc);
+#elif defined(__AVX512BF16__)
   if (dt == DType::BF16) {
     const int64_t k2 = (k + 1) / 2;
     return gemm_t(c, bf16_pairs_of(a, m, k, lda), static_cast<const bf16x2*>(w), bias, m, n, k2, k2, ldc);

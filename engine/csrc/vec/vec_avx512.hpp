@@ -28,7 +28,9 @@ inline __m512 exp_ps(__m512 x) {
 struct VecF {
   static constexpr int N = 16;
   static constexpr int kRegs = 32;  // vector registers the ISA has (micro-kernel blocking)
-#if defined(__AVX512BF16__)
+#if defined(__AMX_BF16__)
+  static constexpr const char* kIsa = "amx_bf16";
+#elif defined(__AVX512BF16__)
   static constexpr const char* kIsa = "avx512_bf16";
 #elif defined(__AVX512VNNI__)
   static constexpr const char* kIsa = "avx512_vnni";

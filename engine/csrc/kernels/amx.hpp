@@ -1,0 +1,172 @@
+// bfloat16 GEMMs on AMX tiles (the amx_bf16 table: Intel Sapphire Rapids and later). Weights are
+// the bf16 pair panels of gemm.hpp (kNR columns of (k, k + 1) pairs a K row, 128 bytes) with K
+// padded to whole tiles of 16 pairs (packed_pairs); A is rounded to bfloat16 (nearest even) as on the
+// avx512_bf16 table. One step of the micro-kernel multiplies up to 32 rows by one panel: C tiles
+// 0-3 (two row tiles of up to 16 rows by two halves of 16 columns), A tiles 4-5 (16 pairs of up
+// to 16 rows), B tiles 6-7 (the panel's two halves, 16 pairs a tile, read in place at a 128-byte
+// stride).
+//
+// Batch invariance: tdpbf16ps' sum inside a tile step is not vdpbf16ps' (its rounding is not
+// documented; measured here, 39% of random outputs differ from the pair chain in their last
+// bits), so on this table every bfloat16 GEMM runs on tiles, one row or 2,048: each output is
+// the same sequence of tile steps over K in increasing order, whatever M, the row tiling or the
+// thread count.
+#pragma once
+#ifdef __AMX_BF16__
+#include <immintrin.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#include "activation.hpp"
+#include "gemm.hpp"
+#include "shares.hpp"
+
+namespace cpuserve {
+namespace {
+
+constexpr int64_t kTilePairs = 16;  // k pairs a tile row holds (64 bytes)
+static_assert(kNR == 32, "a panel is two 16-column tiles");
+
+static_assert(kBf16KAlign == 2 * kTilePairs, "bf16 weights packed in whole tiles (gemm.hpp packed_pairs)");
+
+// Tiles of rows0 rows (C 0-1, A 4) and rows1 rows (C 2-3, A 5; 0: unused) for one micro-kernel
+// shape; B tiles 6-7 are 16 pairs of 16 columns. ldtilecfg zeroes every tile.
+inline void amx_configure(int rows0, int rows1) {
+  struct alignas(64) Config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } cfg{};
+  cfg.palette = 1;
+  const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, kTilePairs, kTilePairs};
+  for (int t = 0; t < 8; ++t)
+    if (rows[t] > 0) cfg.rows[t] = static_cast<uint8_t>(rows[t]), cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// Rows [0, mr) (mr <= 32, tiles configured for them) of A (bf16 pairs, lda2 pairs a row) times one
+// panel over k2 pairs, into out (ldo floats a row; 32 columns).
+template <bool kTwo>
+inline void amx_panel(const bf16x2* a, int64_t lda2, const bf16x2* b, int64_t k2, float* out, int64_t ldo) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (kTwo) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t sa = lda2 * 4;
+  for (int64_t q = 0; q < k2; q += kTilePairs) {
+    _tile_loadd(4, a + q, sa);
+    _tile_loadd(6, b + q * kNR, kNR * 4);
+    _tile_loadd(7, b + q * kNR + 16, kNR * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kTwo) {
+      _tile_loadd(5, a + 16 * lda2 + q, sa);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, out, ldo * 4);
+  _tile_stored(1, out + 16, ldo * 4);
+  if constexpr (kTwo) {
+    _tile_stored(2, out + 16 * ldo, ldo * 4);
+    _tile_stored(3, out + 16 * ldo + 16, ldo * 4);
+  }
+}
+
+// Rows [0, mr) times one panel into buf (mr x 32 floats), configuring the tiles where the shape
+// changes (`shape` holds the current one for this work item; 0 before the first).
+inline void amx_rows(int mr, const bf16x2* a, int64_t lda2, const bf16x2* b, int64_t k2, float* buf, int& shape) {
+  if (shape != mr) {
+    amx_configure(std::min(mr, 16), std::max(mr - 16, 0));
+    shape = mr;
+  }
+  if (mr > 16) amx_panel<true>(a, lda2, b, k2, buf, kNR);
+  else amx_panel<false>(a, lda2, b, k2, buf, kNR);
+}
+
+// A [M, K] as bfloat16 pairs, rows of packed_pairs(k) pairs zero padded (a thread-local buffer).
+inline const bf16x2* amx_a_of(const float* a, int64_t m, int64_t k, int64_t lda) {
+  const int64_t k2 = packed_pairs(k);
+  thread_local std::vector<bf16x2> buf;
+  buf.resize(static_cast<size_t>(m * k2));
+  bf16x2* out = buf.data();
+#pragma omp parallel for schedule(static) if (m * k > 65536)
+  for (int64_t r = 0; r < m; ++r) {
+    const float* ar = a + r * lda;
+    bf16* o = reinterpret_cast<bf16*>(out + r * k2);
+    int64_t e = 0;
+    for (; e + VecF::N <= k; e += VecF::N) VecF::load(ar + e).store_bf16(o + e);
+    for (; e < k; ++e) o[e] = from_float<bf16>(ar[e]);
+    for (; e < 2 * k2; ++e) o[e] = bf16{0};
+  }
+  return out;
+}
+
+// Rows of a work item: 32 (two row tiles) at a time, in tiles of up to `most` rows a thread.
+constexpr int64_t kAmxRows = 32;
+inline int64_t amx_row_block(int64_t m, int64_t panels) {
+  const int64_t tiles = row_tiles(m, panels);
+  return ((m + tiles - 1) / tiles + kAmxRows - 1) / kAmxRows * kAmxRows;
+}
+
+// run(m0, m1, p0, p1, shape) over row blocks x panel ranges in self-balancing shares (share_tiles),
+// the tiles configured by the item and released after it.
+template <typename Run>
+inline void amx_share(int64_t m, int64_t panels, int64_t work, Run&& run) {
+  const int64_t mc = amx_row_block(m, panels), m_tiles = (m + mc - 1) / mc;
+  const int64_t chunk = m <= kAmxRows ? 4 : 1;
+  share_tiles(m_tiles, panels, chunk, work > 32768, [&](int64_t mt, int64_t p0, int64_t p1) {
+    const int64_t m0 = mt * mc, m1 = std::min(m, m0 + mc);
+    if (m0 >= m) return;
+    int shape = 0;
+    run(m0, m1, p0, p1, shape);
+    _tile_release();
+  });
+}
+
+void amx_gemm(float* c, const float* af, const bf16x2* w, const float* bias, int64_t m, int64_t n, int64_t k,
+              int64_t lda, int64_t ldc) {
+  const int64_t k2 = packed_pairs(k), panels = (n + kNR - 1) / kNR;
+  const bf16x2* a = amx_a_of(af, m, k, lda);
+  amx_share(m, panels, m * n * k, [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1, int& shape) {
+    alignas(64) float buf[kAmxRows * kNR];
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t r = m0; r < m1; r += kAmxRows) {
+        const int mr = static_cast<int>(std::min(kAmxRows, m1 - r));
+        amx_rows(mr, a + r * k2, k2, w + p * k2 * kNR, k2, buf, shape);
+        const int64_t col0 = p * kNR, cols = std::min<int64_t>(kNR, n - col0);
+        for (int i = 0; i < mr; ++i) {
+          float* cr = c + (r + i) * ldc + col0;
+          const float* br = buf + i * kNR;
+          if (bias == nullptr) std::memcpy(cr, br, sizeof(float) * cols);
+          else
+            for (int64_t j = 0; j < cols; ++j) cr[j] = br[j] + bias[col0 + j];
+        }
+      }
+  });
+}
+
+// act[M, F] = silu(A W[0:F]^T) * (A W[F:2F]^T), F a multiple of kNR: gate panel j and up panel
+// j + F / kNR into one buffer, then silu_mul_row; the same bits as amx_gemm then silu_and_mul.
+void amx_gemm_silu(float* act, const float* af, const bf16x2* w, int64_t m, int64_t f, int64_t k, int64_t lda,
+                   int64_t ldo) {
+  const int64_t k2 = packed_pairs(k), pairs = f / kNR;
+  const bf16x2* a = amx_a_of(af, m, k, lda);
+  amx_share(m, pairs, 2 * m * f * k, [&](int64_t m0, int64_t m1, int64_t j0, int64_t j1, int& shape) {
+    alignas(64) float gate[kAmxRows * kNR], up[kAmxRows * kNR];
+    for (int64_t j = j0; j < j1; ++j)
+      for (int64_t r = m0; r < m1; r += kAmxRows) {
+        const int mr = static_cast<int>(std::min(kAmxRows, m1 - r));
+        amx_rows(mr, a + r * k2, k2, w + j * k2 * kNR, k2, gate, shape);
+        amx_rows(mr, a + r * k2, k2, w + (j + pairs) * k2 * kNR, k2, up, shape);
+        for (int i = 0; i < mr; ++i) silu_mul_row(act + (r + i) * ldo + j * kNR, gate + i * kNR, up + i * kNR, kNR);
+      }
+  });
+}
+
+}  // namespace
+}  // namespace cpuserve
+#endif  // __AMX_BF16__

@@ -21,7 +21,7 @@ mkdir -p "$CACHE/oci" "$CACHE/logs"
 ENGINE_INPUTS=(images/engine images/base/mkbase.sh engine/CMakeLists.txt engine/cmake engine/csrc engine/cpuserve
                topology/cpuserve_topology)
 OPERATOR_INPUTS=(images/operator images/base/mkbase.sh operator/cpuserve_operator topology/cpuserve_topology)
-declare -A ISA_PATHS=([amd64]=amx_bf16,avx512_bf16,avx512_vnni,avx512,avx2,scalar [arm64]=neon_dotprod,neon,scalar [s390x]=vxe,scalar)
+declare -A ISA_PATHS=([amd64]=amx,avx512_bf16,avx512_vnni,avx512,avx2,scalar [arm64]=neon_dotprod,neon,scalar [s390x]=vxe,scalar)
 
 inputs_hash() {  # content of every input file (not its timestamp), plus the architecture
   { echo "$1"; find "${@:2}" -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | sort -z \

@@ -35,8 +35,8 @@ const KernelTable* table_avx512_vnni() { return nullptr; }
 #ifndef CPUSERVE_HAVE_AVX512_BF16
 const KernelTable* table_avx512_bf16() { return nullptr; }
 #endif
-#ifndef CPUSERVE_HAVE_AMX_BF16
-const KernelTable* table_amx_bf16() { return nullptr; }
+#ifndef CPUSERVE_HAVE_AMX
+const KernelTable* table_amx() { return nullptr; }
 #endif
 #ifndef CPUSERVE_HAVE_NEON
 const KernelTable* table_neon() { return nullptr; }
@@ -66,8 +66,9 @@ bool amx_permitted() {
 bool cpu_has(const char* isa) {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
-  if (std::strcmp(isa, "amx_bf16") == 0)
+  if (std::strcmp(isa, "amx") == 0)
     return cpu_has("avx512_bf16") && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+           __builtin_cpu_supports("amx-int8") &&
            amx_permitted();
   if (std::strcmp(isa, "avx512_bf16") == 0) return cpu_has("avx512_vnni") && __builtin_cpu_supports("avx512bf16");
   if (std::strcmp(isa, "avx512_vnni") == 0) return cpu_has("avx512") && __builtin_cpu_supports("avx512vnni");
@@ -94,7 +95,7 @@ const KernelTable* table_by_name(const char* name) {
   else if (std::strcmp(name, "avx512") == 0) t = table_avx512();
   else if (std::strcmp(name, "avx512_vnni") == 0) t = table_avx512_vnni();
   else if (std::strcmp(name, "avx512_bf16") == 0) t = table_avx512_bf16();
-  else if (std::strcmp(name, "amx_bf16") == 0) t = table_amx_bf16();
+  else if (std::strcmp(name, "amx") == 0) t = table_amx();
   else if (std::strcmp(name, "neon") == 0) t = table_neon();
   else if (std::strcmp(name, "neon_dotprod") == 0) t = table_neon_dotprod();
   else if (std::strcmp(name, "vxe") == 0) t = table_vxe();

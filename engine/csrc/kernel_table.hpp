@@ -102,9 +102,9 @@ struct KernelTable {
   void (*argmax)(int64_t* out, const float* x, int64_t rows, int64_t n, int64_t x_stride);
 };
 
-// Every ISA name, best first: a CPU with a variant (amx_bf16 = avx512_bf16 + bfloat16 GEMMs on AMX
+// Every ISA name, best first: a CPU with a variant (amx = avx512_bf16 + bfloat16 GEMMs on AMX
 // tiles, avx512_bf16 = avx512_vnni + bf16 pair dot products, avx512_vnni, neon_dotprod) also runs the plain table, which the tests compare against.
-constexpr const char* kIsaNames[] = {"amx_bf16", "avx512_bf16", "avx512_vnni", "avx512", "avx2", "neon_dotprod", "neon", "vxe", "scalar"};
+constexpr const char* kIsaNames[] = {"amx", "avx512_bf16", "avx512_vnni", "avx512", "avx2", "neon_dotprod", "neon", "vxe", "scalar"};
 
 // Tables compiled into this build (nullptr where the ISA is not built).
 const KernelTable* table_scalar();
@@ -112,7 +112,7 @@ const KernelTable* table_avx2();
 const KernelTable* table_avx512();
 const KernelTable* table_avx512_vnni();
 const KernelTable* table_avx512_bf16();
-const KernelTable* table_amx_bf16();
+const KernelTable* table_amx();
 const KernelTable* table_neon();
 const KernelTable* table_neon_dotprod();
 const KernelTable* table_vxe();

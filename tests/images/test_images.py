@@ -115,7 +115,7 @@ def test_engine_image_labels(arch):
     labels, arch_field = json.loads(out.rsplit(" ", 1)[0]), out.rsplit(" ", 1)[1].strip()
     assert arch_field == arch == labels["io.cpuserve.architecture"]
     assert labels["org.opencontainers.image.version"] == VERSION
-    assert labels["io.cpuserve.isa-paths"] == {"amd64": "amx_bf16,avx512_bf16,avx512_vnni,avx512,avx2,scalar",
+    assert labels["io.cpuserve.isa-paths"] == {"amd64": "amx,avx512_bf16,avx512_vnni,avx512,avx2,scalar",
                                                "arm64": "neon_dotprod,neon,scalar",
                                                "s390x": "vxe,scalar"}[arch]
     assert labels["org.opencontainers.image.revision"] not in ("", "unknown")

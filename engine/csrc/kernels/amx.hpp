@@ -1,10 +1,13 @@
-// bfloat16 GEMMs on AMX tiles (the amx_bf16 table: Intel Sapphire Rapids and later). Weights are
+// bfloat16 and W8A8 GEMMs on AMX tiles (the amx table: Intel Sapphire Rapids and later). Weights are
 // the bf16 pair panels of gemm.hpp (kNR columns of (k, k + 1) pairs a K row, 128 bytes) with K
 // padded to whole tiles of 16 pairs (packed_pairs); A is rounded to bfloat16 (nearest even) as on the
 // avx512_bf16 table. One step of the micro-kernel multiplies up to 32 rows by one panel: C tiles
 // 0-3 (two row tiles of up to 16 rows by two halves of 16 columns), A tiles 4-5 (16 pairs of up
 // to 16 rows), B tiles 6-7 (the panel's two halves, 16 pairs a tile, read in place at a 128-byte
 // stride).
+//
+// W8A8 (int8.hpp) runs on the same tiles: its panels are kNR columns of 4 consecutive k a K row
+// (128 bytes), K padded to whole tiles of 64 (i8_kpad), and tdpbssd's sums are exact.
 //
 // Batch invariance: tdpbf16ps' sum inside a tile step is not vdpbf16ps' (its rounding is not
 // documented; measured here, 39% of random outputs differ from the pair chain in their last
@@ -20,6 +23,7 @@
 #include <vector>
 #include "activation.hpp"
 #include "gemm.hpp"
+#include "int8.hpp"
 #include "shares.hpp"
 
 namespace cpuserve {
@@ -45,46 +49,61 @@ inline void amx_configure(int rows0, int rows1) {
   _tile_loadconfig(&cfg);
 }
 
-// Rows [0, mr) (mr <= 32, tiles configured for them) of A (bf16 pairs, lda2 pairs a row) times one
-// panel over k2 pairs, into out (ldo floats a row; 32 columns).
-template <bool kTwo>
-inline void amx_panel(const bf16x2* a, int64_t lda2, const bf16x2* b, int64_t k2, float* out, int64_t ldo) {
+// Rows [0, mr) (mr <= 32, tiles configured for them) of A times one panel, both in 4-byte units
+// (bfloat16 pairs, or int8 quads on kInt8: tdpbssd's exact int32 sums), A's rows lda units apart,
+// the panel kNR columns of units a k row, over k4 units; into out (mr rows of 32 floats or int32).
+template <bool kTwo, bool kInt8>
+inline void amx_panel(const void* a, int64_t lda, const void* b, int64_t k4, void* out) {
+  const char* ap = static_cast<const char*>(a);
+  const char* bp = static_cast<const char*>(b);
+  char* op = static_cast<char*>(out);
+  constexpr int64_t kRow = kNR * 4;  // bytes of a panel's k row, and of an output row
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (kTwo) {
     _tile_zero(2);
     _tile_zero(3);
   }
-  const int64_t sa = lda2 * 4;
-  for (int64_t q = 0; q < k2; q += kTilePairs) {
-    _tile_loadd(4, a + q, sa);
-    _tile_loadd(6, b + q * kNR, kNR * 4);
-    _tile_loadd(7, b + q * kNR + 16, kNR * 4);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
+  for (int64_t q = 0; q < k4; q += kTilePairs) {
+    _tile_loadd(4, ap + q * 4, lda * 4);
+    _tile_loadd(6, bp + q * kRow, kRow);
+    _tile_loadd(7, bp + q * kRow + 64, kRow);
+    if constexpr (kInt8) {
+      _tile_dpbssd(0, 4, 6);
+      _tile_dpbssd(1, 4, 7);
+    } else {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+    }
     if constexpr (kTwo) {
-      _tile_loadd(5, a + 16 * lda2 + q, sa);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+      _tile_loadd(5, ap + 16 * lda * 4 + q * 4, lda * 4);
+      if constexpr (kInt8) {
+        _tile_dpbssd(2, 5, 6);
+        _tile_dpbssd(3, 5, 7);
+      } else {
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
     }
   }
-  _tile_stored(0, out, ldo * 4);
-  _tile_stored(1, out + 16, ldo * 4);
+  _tile_stored(0, op, kRow);
+  _tile_stored(1, op + 64, kRow);
   if constexpr (kTwo) {
-    _tile_stored(2, out + 16 * ldo, ldo * 4);
-    _tile_stored(3, out + 16 * ldo + 16, ldo * 4);
+    _tile_stored(2, op + 16 * kRow, kRow);
+    _tile_stored(3, op + 16 * kRow + 64, kRow);
   }
 }
 
-// Rows [0, mr) times one panel into buf (mr x 32 floats), configuring the tiles where the shape
-// changes (`shape` holds the current one for this work item; 0 before the first).
-inline void amx_rows(int mr, const bf16x2* a, int64_t lda2, const bf16x2* b, int64_t k2, float* buf, int& shape) {
+// amx_panel for mr rows, configuring the tiles where the shape changes (`shape` holds the current
+// one for this work item; 0 before the first).
+template <bool kInt8 = false>
+inline void amx_rows(int mr, const void* a, int64_t lda, const void* b, int64_t k4, void* out, int& shape) {
   if (shape != mr) {
     amx_configure(std::min(mr, 16), std::max(mr - 16, 0));
     shape = mr;
   }
-  if (mr > 16) amx_panel<true>(a, lda2, b, k2, buf, kNR);
-  else amx_panel<false>(a, lda2, b, k2, buf, kNR);
+  if (mr > 16) amx_panel<true, kInt8>(a, lda, b, k4, out);
+  else amx_panel<false, kInt8>(a, lda, b, k4, out);
 }
 
 // A [M, K] as bfloat16 pairs, rows of packed_pairs(k) pairs zero padded (a thread-local buffer).
@@ -166,6 +185,48 @@ void amx_gemm_silu(float* act, const float* af, const bf16x2* w, int64_t m, int6
       }
   });
 }
+
+#ifdef __AMX_INT8__
+static_assert(kI8NR == kNR && kI8KAlign == 4 * kTilePairs, "int8 panels of two tiles, K in whole tiles");
+
+// W8A8 (int8.hpp) on tiles: the activations' int8 codes times the weights' (tdpbssd, no offset),
+// then i8gemm's float epilogue. Exact integer sums: the same bits as every other table.
+void amx_i8gemm(float* c, const I8Rows& A, const I8Packed& W, const float* bias, int64_t m, int64_t n, int64_t ldc) {
+  const int64_t k4 = A.kp / 4, panels = i8_panels(n);
+  amx_share(m, panels, m * n * A.kp, [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1, int& shape) {
+    alignas(64) int32_t acc[kAmxRows * kNR];
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t r = m0; r < m1; r += kAmxRows) {
+        const int mr = static_cast<int>(std::min(kAmxRows, m1 - r));
+        amx_rows<true>(mr, A.q + r * A.kp, k4, W.q + p * A.kp * kI8NR, k4, acc, shape);
+        const int64_t c0 = p * kI8NR, c1 = std::min(n, c0 + kI8NR);
+        for (int i = 0; i < mr; ++i)
+          i8_out_row(A, r + i, acc + i * kNR, W.sums, W.scales, bias, c0, c1, c + (r + i) * ldc + c0, 0);
+      }
+  });
+}
+
+// i8gemm_silu on tiles: gate panel j and up panel j + pairs, i8gemm's epilogue, then silu_mul_row.
+void amx_i8gemm_silu(float* act, const I8Rows& A, const I8Packed& W, int64_t m, int64_t f, int64_t ldo) {
+  const int64_t k4 = A.kp / 4, pairs = f / kI8NR;
+  amx_share(m, pairs, 2 * m * f * A.kp, [&](int64_t m0, int64_t m1, int64_t j0, int64_t j1, int& shape) {
+    alignas(64) int32_t ga[kAmxRows * kNR], ua[kAmxRows * kNR];
+    alignas(64) float g[kNR], u[kNR];
+    for (int64_t j = j0; j < j1; ++j)
+      for (int64_t r = m0; r < m1; r += kAmxRows) {
+        const int mr = static_cast<int>(std::min(kAmxRows, m1 - r));
+        amx_rows<true>(mr, A.q + r * A.kp, k4, W.q + j * A.kp * kI8NR, k4, ga, shape);
+        amx_rows<true>(mr, A.q + r * A.kp, k4, W.q + (j + pairs) * A.kp * kI8NR, k4, ua, shape);
+        const int64_t c0 = j * kI8NR, u0 = (j + pairs) * kI8NR;
+        for (int i = 0; i < mr; ++i) {
+          i8_out_row(A, r + i, ga + i * kNR, W.sums, W.scales, nullptr, c0, c0 + kI8NR, g, 0);
+          i8_out_row(A, r + i, ua + i * kNR, W.sums, W.scales, nullptr, u0, u0 + kI8NR, u, 0);
+          silu_mul_row(act + (r + i) * ldo + c0, g, u, kI8NR);
+        }
+      }
+  });
+}
+#endif  // __AMX_INT8__
 
 }  // namespace
 }  // namespace cpuserve

@@ -250,6 +250,9 @@ void i8gemm_silu_impl(float* act, const float* a, const uint8_t* w, int64_t m, i
                       [&](float* proj) { i8gemm_impl(proj, a, w, nullptr, m, 2 * f, k, lda, 2 * f, asym); });
   const I8Rows A = i8_rows_of(a, m, k, lda, asym);
   const I8Packed W(w, 2 * f, k);
+#ifdef __AMX_INT8__
+  return amx_i8gemm_silu(act, A, W, m, f, ldo);
+#endif
   const int64_t pairs = f / kI8NR;
   if (m <= 2) {  // decode, as i8gemm's
     share_tiles(1, pairs, 2, 2 * f * k > 32768, [&](int64_t, int64_t j0, int64_t j1) {

@@ -109,7 +109,7 @@ template <typename Gemm, typename V = VecF>
 inline bool run_widened_pairs(const float* a, int64_t m, int64_t k, int64_t lda, const void* w, Gemm&& gemm);
 
 // The multiple of K that a bfloat16 weight packed as pairs is padded to with zeros: whole AMX
-// tiles of 16 pairs on the amx_bf16 table (amx.hpp), else an even K (KernelTable::bf16_k_align).
+// tiles of 16 pairs on the amx table (amx.hpp), else an even K (KernelTable::bf16_k_align).
 #ifdef __AMX_BF16__
 constexpr int kBf16KAlign = 32;
 #else
@@ -394,7 +394,7 @@ inline bool run_widened_pairs(const float* a, int64_t m, int64_t k, int64_t lda,
 }
 
 #ifdef __AMX_BF16__
-// amx.hpp: every bfloat16 GEMM of the amx_bf16 table
+// amx.hpp: every bfloat16 GEMM of the amx table
 void amx_gemm(float* c, const float* a, const bf16x2* w, const float* bias, int64_t m, int64_t n, int64_t k,
               int64_t lda, int64_t ldc);
 #endif

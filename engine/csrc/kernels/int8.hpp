@@ -26,7 +26,14 @@ namespace {
 constexpr int kI8NR = 2 * VecI8::L;
 constexpr int kI8MR = 4;
 
-inline int64_t i8_kpad(int64_t k) { return (k + 3) / 4 * 4; }
+// K of the packed weights and quantized activations: whole 4-way dots, or whole AMX tiles of 64
+// on the amx table (amx.hpp), zero padded.
+#ifdef __AMX_INT8__
+constexpr int64_t kI8KAlign = 64;
+#else
+constexpr int64_t kI8KAlign = 4;
+#endif
+inline int64_t i8_kpad(int64_t k) { return (k + kI8KAlign - 1) / kI8KAlign * kI8KAlign; }
 inline int64_t i8_panels(int64_t n) { return (n + kI8NR - 1) / kI8NR; }
 
 int64_t i8packed_bytes_impl(int64_t n, int64_t k) {
@@ -128,9 +135,10 @@ inline void i8_sums(const I8Rows& A, int mr, int np, int64_t r, const int8_t* wp
 }
 
 // Row `row`'s outputs of columns [c0, c1) from its integer sums acc[col - c0] to float, into out[col - c0].
+// `offset`: what the sums' activation codes were shifted by (VecI8's unsigned dots: 128; AMX: 0).
 inline void i8_out_row(const I8Rows& A, int64_t row, const int32_t* acc, const int32_t* sums, const float* scales,
-                       const float* bias, int64_t c0, int64_t c1, float* out) {
-  const int32_t comp = VecI8::kOffset + A.z[row];
+                       const float* bias, int64_t c0, int64_t c1, float* out, int32_t offset = VecI8::kOffset) {
+  const int32_t comp = offset + A.z[row];
   const float sa = A.s[row];
   for (int64_t col = c0; col < c1; ++col) {
     const int32_t v = acc[col - c0] - comp * sums[col];
@@ -201,11 +209,19 @@ struct I8Packed {
         scales(reinterpret_cast<const float*>(w + i8_panels(n) * kI8NR * (i8_kpad(k) + sizeof(int32_t)))) {}
 };
 
+#ifdef __AMX_INT8__
+// amx.hpp: every W8A8 GEMM of the amx table
+void amx_i8gemm(float* c, const I8Rows& A, const I8Packed& W, const float* bias, int64_t m, int64_t n, int64_t ldc);
+#endif
+
 void i8gemm_impl(float* c, const float* a, const uint8_t* w, const float* bias, int64_t m, int64_t n, int64_t k,
                  int64_t lda, int64_t ldc, bool asym) {
   const int64_t kp = i8_kpad(k), panels = i8_panels(n);
   const I8Rows A = i8_rows_of(a, m, k, lda, asym);
   const I8Packed W(w, n, k);
+#ifdef __AMX_INT8__
+  return amx_i8gemm(c, A, W, bias, m, n, ldc);
+#endif
   const int8_t* wq = W.q;
   const int32_t* sums = W.sums;
   const float* scales = W.scales;

@@ -3,7 +3,7 @@
 // ISA with CPUSERVE_ISA_* defined and the matching compiler flags.
 #pragma once
 #if defined(CPUSERVE_ISA_AVX512) || defined(CPUSERVE_ISA_AVX512_VNNI) || defined(CPUSERVE_ISA_AVX512_BF16) || \
-    defined(CPUSERVE_ISA_AMX_BF16)
+    defined(CPUSERVE_ISA_AMX)
 #include "vec_avx512.hpp"
 #elif defined(CPUSERVE_ISA_AVX2)
 #include "vec_avx2.hpp"

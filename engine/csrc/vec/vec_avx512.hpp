@@ -29,7 +29,7 @@ struct VecF {
   static constexpr int N = 16;
   static constexpr int kRegs = 32;  // vector registers the ISA has (micro-kernel blocking)
 #if defined(__AMX_BF16__)
-  static constexpr const char* kIsa = "amx_bf16";
+  static constexpr const char* kIsa = "amx";
 #elif defined(__AVX512BF16__)
   static constexpr const char* kIsa = "avx512_bf16";
 #elif defined(__AVX512VNNI__)

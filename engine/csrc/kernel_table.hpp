@@ -13,7 +13,7 @@ struct KernelTable {
   int vec_width;  // floats per vector register
   int gemm_nr;    // panel width of packed weights (columns of W^T per panel)
   // bfloat16 weights run as pair dot products on A rounded to bfloat16 (AVX-512 BF16); a
-  // packed bf16 weight then holds ceil(K/2) pairs a column (K rounded up to even)
+  // packed bf16 weight then holds ceil(K/2) pairs a column (K rounded up to bf16_k_align)
   bool bf16_dot;
   // K of a bfloat16 weight rounded up to this multiple in its packed panels (zeros): 32 on AMX
   // (whole tiles of 16 pairs), else 2; pack_weight's buffer holds panels x gemm_nr x that K

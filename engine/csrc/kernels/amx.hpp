@@ -124,7 +124,7 @@ inline const bf16x2* amx_a_of(const float* a, int64_t m, int64_t k, int64_t lda)
   return out;
 }
 
-// Rows of a work item: 32 (two row tiles) at a time, in tiles of up to `most` rows a thread.
+// Rows of a work item: row_tiles' blocks (gemm.hpp) rounded up to 32, run 32 (two row tiles) at a time.
 constexpr int64_t kAmxRows = 32;
 inline int64_t amx_row_block(int64_t m, int64_t panels) {
   const int64_t tiles = row_tiles(m, panels);

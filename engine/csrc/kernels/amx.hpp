@@ -68,7 +68,7 @@ inline void amx_panel(const void* a, int64_t lda, const void* b, int64_t k4, voi
     _tile_loadd(4, ap + q * 4, lda * 4);
     _tile_loadd(6, bp + q * kRow, kRow);
     _tile_loadd(7, bp + q * kRow + 64, kRow);
-    if constexpr (kInt8) {
+    if constexpr (kInt8) {  // (GCC's tile intrinsics take the tile numbers as literal text)
       _tile_dpbssd(0, 4, 6);
       _tile_dpbssd(1, 4, 7);
     } else {
@@ -106,24 +106,6 @@ inline void amx_rows(int mr, const void* a, int64_t lda, const void* b, int64_t 
   else amx_panel<false, kInt8>(a, lda, b, k4, out);
 }
 
-// A [M, K] as bfloat16 pairs, rows of packed_pairs(k) pairs zero padded (a thread-local buffer).
-inline const bf16x2* amx_a_of(const float* a, int64_t m, int64_t k, int64_t lda) {
-  const int64_t k2 = packed_pairs(k);
-  thread_local std::vector<bf16x2> buf;
-  buf.resize(static_cast<size_t>(m * k2));
-  bf16x2* out = buf.data();
-#pragma omp parallel for schedule(static) if (m * k > 65536)
-  for (int64_t r = 0; r < m; ++r) {
-    const float* ar = a + r * lda;
-    bf16* o = reinterpret_cast<bf16*>(out + r * k2);
-    int64_t e = 0;
-    for (; e + VecF::N <= k; e += VecF::N) VecF::load(ar + e).store_bf16(o + e);
-    for (; e < k; ++e) o[e] = from_float<bf16>(ar[e]);
-    for (; e < 2 * k2; ++e) o[e] = bf16{0};
-  }
-  return out;
-}
-
 // Rows of a work item: row_tiles' blocks (gemm.hpp) rounded up to 32, run 32 (two row tiles) at a time.
 constexpr int64_t kAmxRows = 32;
 inline int64_t amx_row_block(int64_t m, int64_t panels) {
@@ -149,7 +131,7 @@ inline void amx_share(int64_t m, int64_t panels, int64_t work, Run&& run) {
 void amx_gemm(float* c, const float* af, const bf16x2* w, const float* bias, int64_t m, int64_t n, int64_t k,
               int64_t lda, int64_t ldc) {
   const int64_t k2 = packed_pairs(k), panels = (n + kNR - 1) / kNR;
-  const bf16x2* a = amx_a_of(af, m, k, lda);
+  const bf16x2* a = bf16_pairs_of(af, m, k, lda, k2);
   amx_share(m, panels, m * n * k, [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1, int& shape) {
     alignas(64) float buf[kAmxRows * kNR];
     for (int64_t p = p0; p < p1; ++p)
@@ -173,7 +155,7 @@ void amx_gemm(float* c, const float* af, const bf16x2* w, const float* bias, int
 void amx_gemm_silu(float* act, const float* af, const bf16x2* w, int64_t m, int64_t f, int64_t k, int64_t lda,
                    int64_t ldo) {
   const int64_t k2 = packed_pairs(k), pairs = f / kNR;
-  const bf16x2* a = amx_a_of(af, m, k, lda);
+  const bf16x2* a = bf16_pairs_of(af, m, k, lda, k2);
   amx_share(m, pairs, 2 * m * f * k, [&](int64_t m0, int64_t m1, int64_t j0, int64_t j1, int& shape) {
     alignas(64) float gate[kAmxRows * kNR], up[kAmxRows * kNR];
     for (int64_t j = j0; j < j1; ++j)

@@ -115,7 +115,7 @@ void gemm_silu_impl(float* act, const float* a, const void* w, DType dt, int64_t
 #elif defined(__AVX512BF16__)
   if (dt == DType::BF16) {
     const int64_t k2 = (k + 1) / 2;
-    return gemm_silu_t(act, bf16_pairs_of(a, m, k, lda), static_cast<const bf16x2*>(w), m, f, k2, k2, ldo);
+    return gemm_silu_t(act, bf16_pairs_of(a, m, k, lda, k2), static_cast<const bf16x2*>(w), m, f, k2, k2, ldo);
   }
 #endif
   if (dt == DType::BF16 && run_widened_pairs(a, m, k, lda, w, [&](auto a2, int64_t k2, int64_t lda2, auto w2) {

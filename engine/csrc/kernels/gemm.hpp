@@ -349,11 +349,11 @@ void gemm_t(float* c, const TA* a, const T* w, const float* bias, int64_t m, int
 
 #ifdef __AVX512BF16__
 // A rounded to bfloat16 pairs (nearest even, as from_float<bf16>), one row after another: a row's
-// bfloat16 values in order are its pairs (k, k + 1), an odd K padded with a zero. Whole vectors
-// are rounded by vcvtneps2bf16, which flushes denormals where from_float keeps them: vdpbf16ps
-// reads a denormal as zero either way, so the products are the same.
-inline const bf16x2* bf16_pairs_of(const float* a, int64_t m, int64_t k, int64_t lda) {
-  const int64_t k2 = (k + 1) / 2;
+// bfloat16 values in order are its pairs (k, k + 1), k2 pairs a row (an odd K, or AMX's whole
+// tiles, padded with zeros). Whole vectors are rounded by vcvtneps2bf16, which flushes denormals
+// where from_float keeps them: vdpbf16ps and tdpbf16ps read a denormal as zero either way, so the
+// products are the same.
+inline const bf16x2* bf16_pairs_of(const float* a, int64_t m, int64_t k, int64_t lda, int64_t k2) {
   thread_local std::vector<bf16x2> buf;
   buf.resize(static_cast<size_t>(m * k2));
   bf16x2* out = buf.data();
@@ -364,7 +364,7 @@ inline const bf16x2* bf16_pairs_of(const float* a, int64_t m, int64_t k, int64_t
     int64_t e = 0;
     for (; e + VecF::N <= k; e += VecF::N) VecF::load(ar + e).store_bf16(o + e);
     for (; e < k; ++e) o[e] = from_float<bf16>(ar[e]);
-    if (k % 2) o[k] = bf16{0};
+    for (; e < 2 * k2; ++e) o[e] = bf16{0};
   }
   return out;
 }
@@ -406,7 +406,7 @@ void gemm_impl(float* c, const float* a, const void* w, DType dt, const float* b
 #elif defined(__AVX512BF16__)
   if (dt == DType::BF16) {
     const int64_t k2 = (k + 1) / 2;
-    return gemm_t(c, bf16_pairs_of(a, m, k, lda), static_cast<const bf16x2*>(w), bias, m, n, k2, k2, ldc);
+    return gemm_t(c, bf16_pairs_of(a, m, k, lda, k2), static_cast<const bf16x2*>(w), bias, m, n, k2, k2, ldc);
   }
 #endif
   if (dt == DType::BF16 && run_widened_pairs(a, m, k, lda, w, [&](auto a2, int64_t k2, int64_t lda2, auto w2) {

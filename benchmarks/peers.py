@@ -353,12 +353,20 @@ def ratio(ours: list | None, theirs: list | None, key: str) -> str:
     return f"**{r:.2f}x**" if r >= 1 else f"{r:.2f}x"
 
 
+def failure(error: str) -> str:
+    """A failed run's error as one table cell: a command that died is named with how it ended
+    (CalledProcessError's tail), anything else by its first line; no newlines or pipes."""
+    m = re.match(r"CalledProcessError: Command '\['([^']+)'.*\]' (.+)$", error, re.S)
+    text = f"{Path(m.group(1)).name} {m.group(2)}" if m else error.strip().splitlines()[0]
+    return text.replace("|", "/")[:200]
+
+
 def offline_rows(off: dict) -> list[str]:
     """One row per engine and weights, with cpuserve's ratio against it on the same weights."""
     lines = []
     for name, r in off.items():
         if "error" in r:
-            lines.append(f"| {name} | failed: {r['error'][:200]} | | | | | |")
+            lines.append(f"| {name} | failed: {failure(r['error'])} | | | | | |")
             continue
         ours, theirs = off.get(counterpart(name), {}), r
         if " int8-act " in name:  # against llama.cpp on the same file (which always quantizes activations)
@@ -378,7 +386,7 @@ def serving_table(serving: dict) -> list[str]:
              "|---|---|---|---|---|---|"]
     for name, r in serving.items():
         if "error" in r:
-            lines.append(f"| {name} | failed: {r['error'][:200]} | | | | |")
+            lines.append(f"| {name} | failed: {failure(r['error'])} | | | | |")
             continue
         for lv in r["levels"]:
             lines.append(f"| {name} | {r['ready_cold_s']:.1f} / {r['ready_warm_s']:.1f} | {lv['concurrency']} | "
@@ -446,7 +454,7 @@ def alternating_table(alt: dict | None) -> list[str]:
     if not alt:
         return []
     if "error" in alt:
-        return ["", f"Batch-1 decode, engines taking turns: failed: {alt['error'][:200]}"]
+        return ["", f"Batch-1 decode, engines taking turns: failed: {failure(alt['error'])}"]
     rounds = os.environ.get("PEERS_BATCH1_ROUNDS", "5")
     lines = ["", f"Batch-1 decode with the engines taking turns, {rounds} rounds (cpuserve float32, llama.cpp F32, "
              "cpuserve Q4_1, llama.cpp Q4_1 in each round, the read bandwidth probed around every run), so that both "

@@ -36,3 +36,13 @@ def test_alternating_rounds_are_shown_run_by_run():
     assert ours.endswith("| 16.00 (52), 10.00 (34), 17.00 (55) |")
     # a stored run from before rounds were kept still reads
     assert next(line for line in lines if line.startswith("| llama.cpp F32 |")).endswith("|  | – |")
+
+
+def test_a_failed_run_is_one_cell_that_says_how_it_ended():
+    died = ("CalledProcessError: Command '['/cache/llama.cpp/bin/llama-batched-bench', '-m', 'x.gguf', '-t', '2']' "
+            "died with <Signals.SIGILL: 4>.")
+    assert peers.failure(died) == "llama-batched-bench died with <Signals.SIGILL: 4>."
+    exited = "RuntimeError: llama server exited:\n0.00.003 I srv  llama_server: initializing | ...\nmore"
+    assert peers.failure(exited) == "RuntimeError: llama server exited:"
+    row = peers.offline_rows({"llama.cpp Q4_1": {"error": died}})[0]
+    assert "\n" not in row and row.count("|") == 8

@@ -116,7 +116,8 @@ def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh", k=KERNELS) -> torch
 
 def cache_shapes(blocks: int, kv_heads: int, block_size: int, head_dim: int) -> tuple[tuple, tuple]:
     """The key cache's and the value cache's shapes: keys transposed in each block (head_dim-major,
-    as vLLM's CPU backend keeps them), values token-major."""
+    as vLLM's CPU backend keeps them), values token-major; a bfloat16 cache orders each tile's
+    elements in pairs inside these shapes (ops_ref.paired)."""
     return (blocks, kv_heads, head_dim, block_size), (blocks, kv_heads, block_size, head_dim)
 
 
@@ -126,6 +127,9 @@ def _cache_dims(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int,
             or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError(f"caches must be contiguous, of one dtype, k_cache {cache_shapes(nb, hk, bs, d)[0]} for "
                          f"v_cache {tuple(v_cache.shape)}; got k_cache {tuple(k_cache.shape)}")
+    if v_cache.dtype == torch.bfloat16 and (d % 2 or bs % 2):  # (kernels/cache.hpp, ops_ref.paired)
+        raise ValueError(f"a {v_cache.dtype} cache keeps its tiles in pairs: head_dim ({d}) and block_size ({bs}) "
+                         "must be even")
     return hk, bs, d
 
 

@@ -60,15 +60,49 @@ def to_cache(x, dtype, scale=1.0):
     return x.to(dtype)
 
 
+def paired(dtype) -> bool:
+    """Whether a cache of this dtype keeps its tiles in pairs (kernels/cache.hpp): bfloat16's key
+    tile as [D / 2][block_size][2] (dimensions e, e + 1 of a key side by side) and value tile as
+    [block_size / 2][D][2] (keys j, j + 1 of a dimension side by side), the operands of
+    vdpbf16ps and AMX as they are; the tensors' shapes do not change."""
+    return dtype == torch.bfloat16
+
+
+def key_tiles(k_cache):
+    """k_cache's key tiles as [blocks, Hk, D, block_size] (a copy where paired)."""
+    if not paired(k_cache.dtype):
+        return k_cache
+    nb, hk, d, bs = k_cache.shape
+    return k_cache.view(nb, hk, d // 2, bs, 2).permute(0, 1, 2, 4, 3).flatten(2, 3)
+
+
+def value_tiles(v_cache):
+    """v_cache's value tiles as [blocks, Hk, block_size, D] (a copy where paired)."""
+    if not paired(v_cache.dtype):
+        return v_cache
+    nb, hk, bs, d = v_cache.shape
+    return v_cache.view(nb, hk, bs // 2, d, 2).permute(0, 1, 2, 4, 3).flatten(2, 3)
+
+
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
-    """k_cache [blocks, Hk, D, block_size] (keys transposed in each block), v_cache [blocks, Hk, block_size, D]."""
+    """k_cache [blocks, Hk, D, block_size] (keys transposed in each block), v_cache [blocks, Hk, block_size, D],
+    bfloat16 in pairs (`paired`)."""
     _, hk, bs, d = v_cache.shape
+    pair = paired(v_cache.dtype)
+    kp = k_cache.view(-1, hk, d // 2, bs, 2) if pair else None
+    vp = v_cache.view(-1, hk, bs // 2, d, 2) if pair else None
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
         b, off = divmod(slot, bs)
-        k_cache[b, :, :, off] = to_cache(key[t].view(hk, d), k_cache.dtype, k_scale)
-        v_cache[b, :, off] = to_cache(value[t].view(hk, d), v_cache.dtype, v_scale)
+        k = to_cache(key[t].view(hk, d), k_cache.dtype, k_scale)
+        v = to_cache(value[t].view(hk, d), v_cache.dtype, v_scale)
+        if pair:
+            kp[b, :, :, off] = k.view(hk, d // 2, 2)
+            vp[b, :, off // 2, :, off % 2] = v
+        else:
+            k_cache[b, :, :, off] = k
+            v_cache[b, :, off] = v
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_heads, scale,
@@ -90,8 +124,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         q0, q1 = int(query_start_loc[s]), int(query_start_loc[s + 1])
         nblk = math.ceil(ctx / bs)
         blocks = block_tables[s, :nblk].long()
-        keys = k_cache[blocks].double().permute(1, 0, 3, 2).reshape(hk, nblk * bs, d)[:, :ctx] * k_scale
-        vals = v_cache[blocks].double().permute(1, 0, 2, 3).reshape(hk, nblk * bs, d)[:, :ctx] * v_scale
+        keys = key_tiles(k_cache[blocks]).double().permute(1, 0, 3, 2).reshape(hk, nblk * bs, d)[:, :ctx] * k_scale
+        vals = value_tiles(v_cache[blocks]).double().permute(1, 0, 2, 3).reshape(hk, nblk * bs, d)[:, :ctx] * v_scale
         keys, vals = keys[kv_of], vals[kv_of]
         qs = q[q0:q1].view(q1 - q0, num_heads, d).double().transpose(0, 1)  # [H, L, D]
         scores = qs @ keys.transpose(1, 2) * scale  # [H, L, ctx]

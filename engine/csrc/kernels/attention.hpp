@@ -18,6 +18,8 @@
 #include <vector>
 #include <omp.h>
 #include "../vec/vec.hpp"
+#include "amx.hpp"
+#include "cache.hpp"
 #include "prefetch.hpp"
 
 namespace cpuserve {
@@ -36,6 +38,18 @@ constexpr bool kBf16PairAttention = true;
 #else
 constexpr bool kBf16PairAttention = false;
 #endif
+#ifdef __AMX_BF16__
+constexpr bool kAmxAttention = true;
+#else
+constexpr bool kAmxAttention = false;
+#endif
+constexpr int64_t kAmxKeysPerStep = 32;  // keys an AMX values step takes (16 pairs)
+
+// How a call computes its blocks: float tiles widened in registers (direct), widened into float
+// buffers first (widen: float8 or scaled caches), bfloat16 pair dot products (pairs), or AMX tiles
+// (amx). Every row of a call takes the same path, and so does every call with the same cache
+// dtype, scales, head size and block size: a row's bits never depend on its batch.
+enum class AttnPath { widen, direct, pairs, amx };
 
 // Rows [row0, row0 + rows) of one sequence, query heads [g0, g1) of kv head kv_head's group.
 struct AttnItem { int32_t seq, kv_head, row0, rows, g0, g1; };
@@ -71,27 +85,57 @@ constexpr int kDecodeKB = VecF::kRegs >= 32 ? 8 : kScoreKB;
 constexpr int kValueR = VecF::kRegs >= 32 ? 6 : 2;
 constexpr int kValueV = 4;
 
-// Where the micro-kernels read a block's keys (row e, column j: kt[e * bs + j]) or values (row j,
-// column e: v[j * d + e]): Rows<T> widens T in registers (bf16x2: pairs already laid out);
-// PairRows pairs rows (2r, 2r + 1) of a bfloat16 tile in registers, a row outside [lo, hi]
-// reading as zeros.
+// Where the micro-kernels read a block's keys (row e, column j) or values (row j, column e):
+// Rows<T> widens T in registers (bf16x2: pairs already laid out), HalfRows widens one row of a
+// paired bfloat16 tile (kernels/cache.hpp), MaskedPairs reads a paired value tile's pairs with the
+// keys outside a range zeroed.
 template <typename T> struct Rows {
   using Elem = T;
   const T* p;
   int64_t stride;
   VecF at(int64_t row, int64_t col) const { return VecF::load(p + row * stride + col); }
-  Rows shift(int64_t rows) const { return {p + rows * stride, stride}; }
+  float elem(int64_t row, int64_t col) const { return to_float(p[row * stride + col]); }
+};
+// The rows of a paired bfloat16 tile (kernels/cache.hpp: rows 2r and 2r + 1 interleaved in pair row
+// r, `stride` pairs long) from row row0 on, each widened to float32 in registers.
+struct HalfRows {
+  using Elem = bf16;
+  const bf16x2* p;
+  int64_t stride, row0;
+  VecF at(int64_t row, int64_t col) const {
+    const int64_t r = row0 + row;
+    return VecF::widen_half(p + (r >> 1) * stride + col, static_cast<int>(r & 1));
+  }
+  float elem(int64_t row, int64_t col) const {
+    const int64_t r = row0 + row;
+    return to_float(reinterpret_cast<const bf16*>(p)[((r >> 1) * stride + col) * 2 + (r & 1)]);
+  }
+};
+inline const bf16x2* pairs_of(const bf16* p) { return reinterpret_cast<const bf16x2*>(p); }
+
+// A block's key tile (rows e, columns j) and its value rows from key j0 on (rows j, columns e).
+template <typename T> struct TileRows {
+  static Rows<T> keys(const T* kt, int64_t bs) { return {kt, bs}; }
+  static Rows<T> values(const T* vt, int64_t d, int64_t j0) { return {vt + j0 * d, d}; }
+};
+template <> struct TileRows<bf16> {
+  static HalfRows keys(const bf16* kt, int64_t bs) { return {pairs_of(kt), bs, 0}; }
+  static HalfRows values(const bf16* vt, int64_t d, int64_t j0) { return {pairs_of(vt), d, j0}; }
 };
 #ifdef __AVX512BF16__
-struct PairRows {
+// Pair rows of a paired bfloat16 value tile, `stride` pairs long, a key outside [lo, hi] reading as
+// zero (its probability is zero for every row; the slot may hold another sequence's stale bits).
+struct MaskedPairs {
   using Elem = bf16x2;
-  const bf16* p;
+  const bf16x2* p;
   int64_t stride, lo, hi;
   VecF at(int64_t row, int64_t col) const {
+    const VecF x = VecF::load(p + row * stride + col);
     const int64_t r = 2 * row;
-    return VecF::pairs(r >= lo ? p + r * stride + col : nullptr, r + 1 <= hi ? p + (r + 1) * stride + col : nullptr);
+    if (r >= lo && r + 1 <= hi) return x;
+    const int keep = (r >= lo && r <= hi ? 0xffff : 0) | (r + 1 >= lo && r + 1 <= hi ? -65536 : 0);
+    return {_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x.v), _mm512_set1_epi32(keep)))};
   }
-  PairRows shift(int64_t rows) const { return {p + 2 * rows * stride, stride, lo - 2 * rows, hi - 2 * rows}; }
 };
 #endif
 
@@ -207,7 +251,7 @@ inline void accumulate_values(float* acc, const AOf<typename Src::Elem>* p, int6
     for (int64_t e = nvec * VecF::N; e < d; ++e)
       for (int64_t i = 0; i < rows; ++i)
         for (int64_t j = 0; j < n; ++j)
-          acc[i * d + e] = std::fma(p[i * ps + j], to_float(v.p[j * d + e]), acc[i * d + e]);
+          acc[i * d + e] = std::fma(p[i * ps + j], v.elem(j, e), acc[i * d + e]);
   }
 }
 
@@ -344,19 +388,21 @@ struct TileScratch {
   float* sblk;  // [rows][group][bs] a block's scores, then probabilities
   float* kbuf;  // [d][bs] keys as float (float8 or scaled caches)
   float* vbuf;  // [bs][d] values as float
-  // the pair path: keys as pairs (e, e + 1) [d/2][bs] in kbuf, values as pairs (j, j + 1)
-  // [bs/2][d] in vbuf, queries [rows][group][d] and probabilities [rows][group][bs] in bfloat16
+  // the pair and AMX paths: queries [rows][group][d] and probabilities [rows][group][bs] in
+  // bfloat16; AMX's values steps at a block's ends, their outside keys zeroed, in vbuf
   bf16* qb;
   bf16* pb;
   const float** qptr;    // [rows][group] the tile's query vectors
   const bf16x2** qpair;  // the same, rounded to bfloat16 pairs (qb)
   LineQueue* queue;      // the next block's cache lines, issued from the micro-kernels' loops
+  int* tiles;            // the rows the AMX tiles are configured for (0: not configured)
 
   static TileScratch for_this_thread(int64_t group, int64_t d, int64_t bs) {
     static thread_local std::vector<float> scratch;
     static thread_local std::vector<const float*> qptr;
     static thread_local std::vector<const bf16x2*> qpair;
     static thread_local LineQueue queue;
+    static thread_local int tiles = 0;
     const int64_t tile = kQTile * group;
     const size_t need = static_cast<size_t>(tile * (d + 2 + bs) + 2 * bs * d + tile * (d + bs) / 2);
     if (scratch.size() < need) scratch.resize(need);
@@ -374,6 +420,7 @@ struct TileScratch {
     t.qptr = qptr.data();
     t.qpair = qpair.data();
     t.queue = &queue;
+    t.tiles = &tiles;
     return t;
   }
 };
@@ -419,7 +466,7 @@ template <typename E>
 inline void attend_block(const AttnShape s, const TileScratch& t, const BlockView b, const E* kt, const E* vt) {
   const int64_t d = s.d, bs = s.bs, n_rows = b.rows * b.ng;
   LineQueue* const q = paced(n_rows) ? t.queue : nullptr;
-  block_scores(t.qptr, n_rows, Rows<E>{kt, bs}, bs, d, b.c_lo, b.c_hi, t.sblk, q);
+  block_scores(t.qptr, n_rows, TileRows<E>::keys(kt, bs), bs, d, b.c_lo, b.c_hi, t.sblk, q);
   for (int64_t r = 0; r < b.rows; ++r) {
     const auto [k_lo, k_hi] = b.row_keys(r, s);
     if (k_lo > k_hi) continue;
@@ -427,10 +474,10 @@ inline void attend_block(const AttnShape s, const TileScratch& t, const BlockVie
     for (int64_t i = r * b.ng; i < (r + 1) * b.ng; ++i)
       online_softmax(t.sblk + i * bs + k_lo, n, s.scale, s.softcap, t.m + i, t.l + i, t.acc + i * d, d);
     if (!b.whole)
-      accumulate_values(t.acc + r * b.ng * d, t.sblk + r * b.ng * bs + k_lo, bs, b.ng, Rows<E>{vt + k_lo * d, d}, n, d,
+      accumulate_values(t.acc + r * b.ng * d, t.sblk + r * b.ng * bs + k_lo, bs, b.ng, TileRows<E>::values(vt, d, k_lo), n, d,
                         q);
   }
-  if (b.whole) accumulate_values(t.acc, t.sblk, bs, n_rows, Rows<E>{vt, d}, bs, d, q);
+  if (b.whole) accumulate_values(t.acc, t.sblk, bs, n_rows, TileRows<E>::values(vt, d, 0), bs, d, q);
 }
 
 #ifdef __AVX512BF16__
@@ -442,27 +489,16 @@ inline void store_pair_probabilities(float* p, int64_t k_lo, int64_t k_hi, bf16*
   for (int64_t j = k_lo / VecF::N * VecF::N; j <= k_hi; j += VecF::N) VecF::load(p + j).store_bf16(dst + j);
 }
 
-// One block of a work item on the bfloat16 pair path (vdpbf16ps): keys paired over e, values over
-// the keys (a pair partner outside the tile's keys is zero: its probability is zero for every
-// row), then attend_block's steps on pairs. Tiles of many rows pair the block once (kbuf, vbuf);
-// a decode's few rows pair it in registers as they go: the same pairs either way, so the same bits.
+// One block of a work item on the bfloat16 pair path (vdpbf16ps), straight from the paired tiles:
+// keys paired over e, values over the keys (a pair partner outside the block's keys zero: its
+// probability is zero for every row), then attend_block's steps on pairs.
 inline void attend_block_pairs(const AttnShape s, const TileScratch& t, const BlockView b, const bf16* kt,
                                const bf16* vt) {
   const int64_t d = s.d, bs = s.bs, d2 = d / 2, b2 = bs / 2, n_rows = b.rows * b.ng;
-  const PairRows kpairs{kt, bs, 0, d - 1}, vpairs{vt, d, b.blk_lo, b.blk_hi};
-  const Rows<bf16x2> kp{reinterpret_cast<const bf16x2*>(t.kbuf), bs}, vp{reinterpret_cast<const bf16x2*>(t.vbuf), d};
+  const bf16x2* vp = pairs_of(vt);
   const bf16x2* pp = reinterpret_cast<const bf16x2*>(t.pb);  // [rows][group][bs / 2]
-  const bool pack = n_rows > kScoreQB;
   LineQueue* const q = paced(n_rows) ? t.queue : nullptr;
-  if (pack) {
-    for (int64_t e = 0; e < d2; ++e)
-      for (int64_t c = b.c_lo; c <= b.c_hi; ++c) kpairs.at(e, c * VecF::N).store(t.kbuf + e * bs + c * VecF::N);
-    for (int64_t j = b.blk_lo / 2; j <= b.blk_hi / 2; ++j)
-      for (int64_t e = 0; e < d; e += VecF::N) vpairs.at(j, e).store(t.vbuf + j * d + e);
-    block_scores(t.qpair, n_rows, kp, bs, d2, b.c_lo, b.c_hi, t.sblk, q);
-  } else {
-    block_scores(t.qpair, n_rows, kpairs, bs, d2, b.c_lo, b.c_hi, t.sblk, q);
-  }
+  block_scores(t.qpair, n_rows, Rows<bf16x2>{pairs_of(kt), bs}, bs, d2, b.c_lo, b.c_hi, t.sblk, q);
   for (int64_t r = 0; r < b.rows; ++r) {
     const auto [k_lo, k_hi] = b.row_keys(r, s);
     if (k_lo > k_hi) continue;
@@ -473,31 +509,177 @@ inline void attend_block_pairs(const AttnShape s, const TileScratch& t, const Bl
     }
     if (b.whole) continue;
     const int64_t j0 = k_lo / 2, nj = k_hi / 2 - k_lo / 2 + 1;
-    float* acc = t.acc + r * b.ng * d;
-    if (pack) accumulate_values(acc, pp + r * b.ng * b2 + j0, b2, b.ng, vp.shift(j0), nj, d, q);
-    else accumulate_values(acc, pp + r * b.ng * b2 + j0, b2, b.ng, vpairs.shift(j0), nj, d, q);
+    const MaskedPairs v{vp + j0 * d, d, b.blk_lo - 2 * j0, b.blk_hi - 2 * j0};
+    accumulate_values(t.acc + r * b.ng * d, pp + r * b.ng * b2 + j0, b2, b.ng, v, nj, d, q);
   }
-  if (b.whole && pack) accumulate_values(t.acc, pp, b2, n_rows, vp, b2, d, q);
-  if (b.whole && !pack) accumulate_values(t.acc, pp, b2, n_rows, vpairs, b2, d, q);
+  if (b.whole) accumulate_values(t.acc, pp, b2, n_rows, Rows<bf16x2>{vp, d}, b2, d, q);
 }
+
+#ifdef __AMX_BF16__
+// Attention on AMX tiles (the amx table), for every row of a call, one decode row or a prefill's
+// 48: tdpbf16ps' sums are not vdpbf16ps' (amx.hpp), so the two paths never mix. The operands are
+// the pair path's, read in place: queries in bfloat16 (qb, the A tiles of the scores), the paired
+// key tile ([d / 2][bs] pairs over e: B tiles of 16 pairs by 16 keys), probabilities in bfloat16
+// (pb, the A tiles of the values) and the paired value tile ([bs / 2][d] pairs over keys: B tiles
+// of 16 key pairs by 16 elements). Tiles: C 0-3 (up to 16 rows of 16 scores or accumulator
+// elements), A 4-5, B 6-7, all configured for the chunk's rows (amx_configure(mr, mr)).
+constexpr int64_t kAmxKeys = kAmxKeysPerStep;
+
+// Tiles for mr rows, configured where the shape changes (released at the end of the call).
+inline void amx_attention_rows(int mr, const TileScratch& t) {
+  if (*t.tiles == mr) return;
+  amx_configure(mr, mr);
+  *t.tiles = mr;
+}
+
+// s[i][c * 16, c * 16 + 16) = q_i . k over key vectors c in [c_lo, c_hi], for the configured rows
+// i of q (rows d bfloat16 apart), keys kp paired over e ([d / 2][bs]); s's rows bs floats apart.
+// Each score: d / 32 tile steps over e in order from zero.
+inline void amx_scores(const bf16* q, int64_t d, const bf16x2* kp, int64_t bs, int64_t c_lo, int64_t c_hi, float* s) {
+  for (int64_t c = c_lo; c <= c_hi; c += 4) {
+    const int64_t nc = std::min<int64_t>(4, c_hi + 1 - c);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t e = 0; e < d / 2; e += kTilePairs) {
+      _tile_loadd(4, q + 2 * e, d * 2);
+      const bf16x2* k = kp + e * bs + c * VecF::N;
+      _tile_loadd(6, k, bs * 4);
+      _tile_dpbf16ps(0, 4, 6);
+      if (nc > 1) {
+        _tile_loadd(7, k + 16, bs * 4);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      if (nc > 2) {
+        _tile_loadd(6, k + 32, bs * 4);
+        _tile_dpbf16ps(2, 4, 6);
+      }
+      if (nc > 3) {
+        _tile_loadd(7, k + 48, bs * 4);
+        _tile_dpbf16ps(3, 4, 7);
+      }
+    }
+    float* o = s + c * VecF::N;
+    _tile_stored(0, o, bs * 4);
+    if (nc > 1) _tile_stored(1, o + 16, bs * 4);
+    if (nc > 2) _tile_stored(2, o + 32, bs * 4);
+    if (nc > 3) _tile_stored(3, o + 48, bs * 4);
+  }
+}
+
+// Where a values step's B tiles come from: the value tile itself for a step of keys all inside
+// [lo, hi], else the step's masked copy in `edge` (the same offsets).
+struct AmxValues {
+  const bf16x2 *tile, *edge;
+  int64_t lo, hi;
+  const bf16x2* step(int64_t j, int64_t d) const {
+    return (j >= lo && j + kAmxKeys - 1 <= hi ? tile : edge) + j / 2 * d;
+  }
+};
+
+// acc_i[0, d) += p_i[j0, j1) . v[j0, j1) for the configured rows i (acc's rows d floats apart,
+// p's bfloat16 rows bs apart); j0, j1 whole steps of 32 keys. Each element: its accumulator
+// loaded, one tile step a 32 keys in key order, stored.
+inline void amx_values(float* acc, int64_t d, const bf16* p, int64_t bs, const AmxValues& vs, int64_t j0, int64_t j1) {
+  for (int64_t e0 = 0; e0 < d; e0 += 64) {
+    const int64_t ne = std::min<int64_t>(4, (d - e0) / 16);
+    float* o = acc + e0;
+    _tile_loadd(0, o, d * 4);
+    if (ne > 1) _tile_loadd(1, o + 16, d * 4);
+    if (ne > 2) _tile_loadd(2, o + 32, d * 4);
+    if (ne > 3) _tile_loadd(3, o + 48, d * 4);
+    for (int64_t j = j0; j < j1; j += kAmxKeys) {
+      _tile_loadd(5, p + j, bs * 2);
+      const bf16x2* v = vs.step(j, d) + e0;
+      _tile_loadd(6, v, d * 4);
+      _tile_dpbf16ps(0, 5, 6);
+      if (ne > 1) {
+        _tile_loadd(7, v + 16, d * 4);
+        _tile_dpbf16ps(1, 5, 7);
+      }
+      if (ne > 2) {
+        _tile_loadd(6, v + 32, d * 4);
+        _tile_dpbf16ps(2, 5, 6);
+      }
+      if (ne > 3) {
+        _tile_loadd(7, v + 48, d * 4);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, o, d * 4);
+    if (ne > 1) _tile_stored(1, o + 16, d * 4);
+    if (ne > 2) _tile_stored(2, o + 32, d * 4);
+    if (ne > 3) _tile_stored(3, o + 48, d * 4);
+  }
+}
+
+// A row's probabilities p[k_lo, k_hi] as bfloat16 over the key steps [j0, j1), zero elsewhere
+// (k_lo > k_hi: the row sees none of the block, all zero).
+inline void store_step_probabilities(float* p, int64_t k_lo, int64_t k_hi, int64_t j0, int64_t j1, bf16* dst) {
+  if (k_lo > k_hi) k_lo = k_hi = j1;
+  for (int64_t j = j0; j < std::min(k_lo, j1); ++j) p[j] = 0.f;
+  for (int64_t j = k_hi + 1; j < j1; ++j) p[j] = 0.f;
+  for (int64_t j = j0; j < j1; j += VecF::N) VecF::load(p + j).store_bf16(dst + j);
+}
+
+// One block of a work item on tiles: the steps of 32 keys that hold keys outside [blk_lo, blk_hi]
+// copied with those zeroed (vbuf), then per chunk of 16 (row, head)s the scores, each one's online
+// softmax step and the values, the tiles read in place.
+inline void attend_block_amx(const AttnShape s, const TileScratch& t, const BlockView b, const bf16* kt,
+                             const bf16* vt) {
+  const int64_t d = s.d, bs = s.bs, n_rows = b.rows * b.ng;
+  const int64_t j0 = b.blk_lo / kAmxKeys * kAmxKeys, j1 = (b.blk_hi / kAmxKeys + 1) * kAmxKeys;
+  const MaskedPairs masked{pairs_of(vt), d, b.blk_lo, b.blk_hi};
+  const AmxValues vs{pairs_of(vt), reinterpret_cast<const bf16x2*>(t.vbuf), b.blk_lo, b.blk_hi};
+  for (const int64_t j : {j0, j1 - kAmxKeys}) {
+    if (vs.step(j, d) != vs.edge + j / 2 * d) continue;
+    for (int64_t r = j / 2; r < (j + kAmxKeys) / 2; ++r)
+      for (int64_t e = 0; e < d; e += VecF::N) masked.at(r, e).store(t.vbuf + r * d + e);
+  }
+  for (int64_t m0 = 0; m0 < n_rows; m0 += 16) {
+    const int mr = static_cast<int>(std::min<int64_t>(16, n_rows - m0));
+    amx_attention_rows(mr, t);
+    amx_scores(t.qb + m0 * d, d, pairs_of(kt), bs, b.c_lo, b.c_hi, t.sblk + m0 * bs);
+    for (int64_t i = m0; i < m0 + mr; ++i) {
+      const auto [k_lo, k_hi] = b.row_keys(i / b.ng, s);
+      float* p = t.sblk + i * bs;
+      if (k_lo <= k_hi) online_softmax(p + k_lo, k_hi - k_lo + 1, s.scale, s.softcap, t.m + i, t.l + i, t.acc + i * d, d);
+      store_step_probabilities(p, k_lo, k_hi, j0, j1, t.pb + i * bs);
+    }
+    amx_values(t.acc + m0 * d, d, t.pb + m0 * bs, bs, vs, j0, j1);
+  }
+}
+#endif  // __AMX_BF16__
 #endif
 
 // One block of a work item (the cache tile at `tile`) on its dtype's path.
 template <typename T>
 inline void attend_tile_block(const AttnArgs<T>& a, const TileScratch& t, const BlockView& b, int64_t tile,
-                              [[maybe_unused]] bool pairs, [[maybe_unused]] bool direct) {
+                              AttnPath path) {
   const T* kt = a.k_cache + tile;
   const T* vt = a.v_cache + tile;
 #ifdef __AVX512BF16__
   if constexpr (std::is_same_v<T, bf16>) {
-    if (pairs) return attend_block_pairs(a, t, b, kt, vt);
+#ifdef __AMX_BF16__
+    if (path == AttnPath::amx) return attend_block_amx(a, t, b, kt, vt);
+#endif
+    if (path == AttnPath::pairs) return attend_block_pairs(a, t, b, kt, vt);
   }
 #endif
   if constexpr (kWidenInRegisters<T>) {
-    if (direct) return attend_block(a, t, b, kt, vt);
+    if (path == AttnPath::direct) return attend_block(a, t, b, kt, vt);
   }
   // float8, or scaled: widened to float once per block
   const int64_t d = a.d, bs = a.bs;
+  if constexpr (kPairedCache<T>) {  // (a scaled bfloat16 cache: element by element, out of its pairs)
+    for (int64_t e = 0; e < d; ++e)
+      for (int64_t j = b.c_lo * VecF::N; j < (b.c_hi + 1) * VecF::N; ++j)
+        t.kbuf[e * bs + j] = to_float(kt[key_at<T>(e, j, bs)]) * a.k_scale;
+    for (int64_t j = b.blk_lo; j <= b.blk_hi; ++j)
+      for (int64_t e = 0; e < d; ++e) t.vbuf[j * d + e] = to_float(vt[value_at<T>(j, e, d)]) * a.v_scale;
+    return attend_block(a, t, b, static_cast<const float*>(t.kbuf), static_cast<const float*>(t.vbuf));
+  }
   for (int64_t e = 0; e < d; ++e)
     convert_to_float(t.kbuf + e * bs + b.c_lo * VecF::N, kt + e * bs + b.c_lo * VecF::N,
                      (b.c_hi - b.c_lo + 1) * VecF::N, a.k_scale);
@@ -508,7 +690,7 @@ inline void attend_tile_block(const AttnArgs<T>& a, const TileScratch& t, const 
 // A work item's start: running max -inf, sums and accumulators zero, the tile's query vectors
 // (and, on the pair path, their bfloat16 pairs).
 template <typename T>
-inline void start_tile(const AttnArgs<T>& a, const AttnItem& w, const TileScratch& t, [[maybe_unused]] bool pairs) {
+inline void start_tile(const AttnArgs<T>& a, const AttnItem& w, const TileScratch& t, [[maybe_unused]] AttnPath path) {
   const int64_t d = a.d, ng = w.g1 - w.g0;
   for (int64_t i = 0; i < w.rows * ng; ++i) {
     t.m[i] = -std::numeric_limits<float>::infinity();
@@ -519,7 +701,7 @@ inline void start_tile(const AttnArgs<T>& a, const AttnItem& w, const TileScratc
     for (int64_t g = w.g0; g < w.g1; ++g)
       t.qptr[r * ng + (g - w.g0)] = a.q + (a.qsl[w.seq] + w.row0 + r) * a.q_stride + g * d;
 #ifdef __AVX512BF16__
-  if (pairs)
+  if (path == AttnPath::pairs || path == AttnPath::amx)
     for (int64_t i = 0; i < w.rows * ng; ++i) {
       for (int64_t e = 0; e < d; e += VecF::N) VecF::load(t.qptr[i] + e).store_bf16(t.qb + i * d + e);
       t.qpair[i] = reinterpret_cast<const bf16x2*>(t.qb + i * d);
@@ -570,9 +752,10 @@ inline void queue_block(const AttnArgs<T>& a, const AttnItem& w, int64_t blk, in
   const int64_t tile = tile_offset(a, w, blk);
   const int64_t n = std::min<int64_t>(a.bs, last_pos + 1 - blk * a.bs), sz = sizeof(T);
   auto lines = [](int64_t bytes) { return (bytes + 63) / 64; };
+  const int64_t per = kPairedCache<T> ? 2 : 1;  // a paired tile: d / 2 rows of pairs, keys in pairs
   if (n == a.bs) q.push(a.k_cache + tile, 0, lines(a.d * a.bs * sz), 1);
-  else q.push(a.k_cache + tile, a.bs * sz, lines(n * sz), a.d);
-  q.push(a.v_cache + tile, 0, lines(n * a.d * sz), 1);
+  else q.push(a.k_cache + tile, per * a.bs * sz, lines(per * n * sz), a.d / per);
+  q.push(a.v_cache + tile, 0, lines((n + per - 1) / per * per * a.d * sz), 1);
 }
 
 // Queues the block a thread reads after block blk of item w: w's next one, or the first of `next`.
@@ -589,26 +772,34 @@ inline void queue_after(const AttnArgs<T>& a, const AttnItem& w, const ItemSpan&
 // (this item's next, or the first of `next`, the item this thread takes next) queued for prefetch.
 template <typename T>
 inline void attend_item(const AttnArgs<T>& a, const AttnItem& w, const AttnItem* next, const TileScratch& t,
-                        bool pairs, bool direct) {
+                        AttnPath path) {
   const ItemSpan sp = ItemSpan::of(a, w);
-  const bool pace = paced(w.rows * (w.g1 - w.g0));
-  start_tile(a, w, t, pairs);
+  // (tiles read a block in a few instructions: its lines are fetched before it starts)
+  const bool pace = paced(w.rows * (w.g1 - w.g0)) && path != AttnPath::amx;
+  start_tile(a, w, t, path);
   for (int64_t blk = sp.first_blk; blk * a.bs <= sp.last_pos; ++blk) {
     queue_after(a, w, sp, blk, next, *t.queue);
     if (!pace) t.queue->drain();
     const BlockView b = BlockView::at(w.rows, w.g1 - w.g0, sp.first_pos, blk * a.bs, a);
-    attend_tile_block(a, t, b, tile_offset(a, w, blk), pairs, direct);
+    attend_tile_block(a, t, b, tile_offset(a, w, blk), path);
   }
   finish_tile(a, w, t);
 }
 
+// The path of a call (see AttnPath). bfloat16 caches on CPUs with AVX-512 BF16: bfloat16 pair dot
+// products (vdpbf16ps), or AMX tiles where the CPU has them, the queries and the probabilities
+// rounded to bfloat16 (as torch's bfloat16 attention computes them), at twice the FMA path's rate
+// or more. Tiles take 32 keys or 32 head elements a step: other shapes keep the pair path.
+template <typename T>
+inline AttnPath attention_path(const AttnArgs<T>& a) {
+  if (!kWidenInRegisters<T> || a.k_scale != 1.f || a.v_scale != 1.f) return AttnPath::widen;
+  if (!std::is_same_v<T, bf16> || !kBf16PairAttention || a.d % VecF::N) return AttnPath::direct;
+  return kAmxAttention && a.d % 32 == 0 && a.bs % kAmxKeysPerStep == 0 ? AttnPath::amx : AttnPath::pairs;
+}
+
 template <typename T>
 void paged_attention_t(const AttnArgs<T>& a) {
-  const bool direct = kWidenInRegisters<T> && a.k_scale == 1.f && a.v_scale == 1.f;
-  // bfloat16 caches on CPUs with AVX-512 BF16: bfloat16 pair dot products (vdpbf16ps), the
-  // queries and the probabilities rounded to bfloat16 (as torch's bfloat16 attention computes
-  // them), at twice the FMA path's rate.
-  const bool pairs = kBf16PairAttention && std::is_same_v<T, bf16> && direct && a.d % VecF::N == 0;
+  const AttnPath path = attention_path(a);
   const std::vector<AttnItem>& items = attention_items(a);
   const int64_t n_items = static_cast<int64_t>(items.size());
   const AttnItem* item_ptr = items.data();
@@ -625,10 +816,16 @@ void paged_attention_t(const AttnArgs<T>& a) {
     for (int64_t it = claim(); it < n_items;) {
       const AttnItem& w = item_ptr[it];
       const int64_t nx = paced(w.rows * (w.g1 - w.g0)) ? claim() : -1;
-      attend_item(a, w, nx >= 0 && nx < n_items ? item_ptr + nx : nullptr, t, pairs, direct);
+      attend_item(a, w, nx >= 0 && nx < n_items ? item_ptr + nx : nullptr, t, path);
       it = nx >= 0 ? nx : claim();
     }
     t.queue->clear();  // lines left are of blocks already read
+#ifdef __AMX_BF16__
+    if (*t.tiles) {  // configured by the call's first block on tiles, released after its last
+      _tile_release();
+      *t.tiles = 0;
+    }
+#endif
   }
 }
 

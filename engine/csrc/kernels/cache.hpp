@@ -3,7 +3,14 @@
 // block, [num_blocks, num_kv_heads, head_dim, block_size] (as vLLM's CPU backend keeps keys
 // head_dim-major): attention's scores are then vector FMAs over a block's keys, one chain
 // over head_dim per key, with no horizontal sums. One (block, head) is a contiguous tile.
+//
+// A bfloat16 cache keeps its tiles in pairs (kPairedCache): a key tile as [d / 2][bs][2] (the
+// dimensions e, e + 1 of each key side by side), a value tile as [bs / 2][d][2] (the values of keys
+// j, j + 1 side by side): the operands of vdpbf16ps and of AMX's tdpbf16ps as they are, so that
+// attention reads its tiles without pairing them first (head_dim and block_size even). The
+// shapes stay those above; only the order inside a tile differs (ops_ref.py writes it out).
 #pragma once
+#include <algorithm>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -11,6 +18,20 @@
 
 namespace cpuserve {
 namespace {
+
+template <typename T> constexpr bool kPairedCache = std::is_same_v<T, bf16>;
+
+// Where key dimension e of a tile's key j sits in its key tile, and value e of key j in its value tile.
+template <typename T>
+inline int64_t key_at(int64_t e, int64_t j, int64_t bs) {
+  if constexpr (kPairedCache<T>) return (e >> 1) * 2 * bs + 2 * j + (e & 1);
+  return e * bs + j;
+}
+template <typename T>
+inline int64_t value_at(int64_t j, int64_t e, int64_t d) {
+  if constexpr (kPairedCache<T>) return (j >> 1) * 2 * d + 2 * e + (j & 1);
+  return j * d + e;
+}
 
 // dst = src * inv_scale in the cache's dtype (inv_scale: 1 / the float8 cache's scale, else 1).
 template <typename T>
@@ -50,25 +71,38 @@ inline const std::vector<std::pair<int64_t, int64_t>>& slot_runs(const int64_t* 
   return runs;
 }
 
-// Keys of n tokens into their transposed block tile from column `kt`: along each row of the
-// tile (one key dimension) the n tokens are consecutive, so every cache line written is written
-// whole, one after the other (a token at a time wrote one float in each of head_dim lines).
-// One token (decode) is converted as a vector first: one value in each of d lines.
+// Keys of n tokens into their transposed block tile kt from column off: along each row of the
+// tile (one key dimension, or a pair of them) the n tokens are consecutive, so every cache line
+// written is written whole, one after the other (a token at a time wrote one float in each of
+// head_dim lines). One token (decode) is converted as a vector first: one value in each of d lines.
 template <typename T>
-inline void cache_keys(T* kt, const float* key, int64_t key_stride, int64_t n, int64_t d, int64_t block_size,
-                       float k_inv) {
+inline void cache_keys(T* kt, int64_t off, const float* key, int64_t key_stride, int64_t n, int64_t d,
+                       int64_t block_size, float k_inv) {
   constexpr int64_t kMaxD = 512;
   if (n == 1 && d <= kMaxD) {
     T row[kMaxD];
     convert_row(row, key, d, k_inv);
-    for (int64_t e = 0; e < d; ++e) kt[e * block_size] = row[e];
+    for (int64_t e = 0; e < d; ++e) kt[key_at<T>(e, off, block_size)] = row[e];
     return;
   }
   for (int64_t e = 0; e < d; ++e)
     for (int64_t i = 0; i < n; ++i) {
       const float x = key[i * key_stride + e];
-      kt[e * block_size + i] = from_float<T>(k_inv == 1.f ? x : x * k_inv);
+      kt[key_at<T>(e, off + i, block_size)] = from_float<T>(k_inv == 1.f ? x : x * k_inv);
     }
+}
+
+// Values of one token into row j of its value tile vt.
+template <typename T>
+inline void cache_value(T* vt, int64_t j, const float* value, int64_t d, float v_inv) {
+  if constexpr (!kPairedCache<T>) return convert_row(vt + j * d, value, d, v_inv);
+  constexpr int64_t kMaxD = 512;
+  T row[kMaxD];
+  for (int64_t e0 = 0; e0 < d; e0 += kMaxD) {
+    const int64_t n = std::min(kMaxD, d - e0);
+    convert_row(row, value + e0, n, v_inv);
+    for (int64_t e = 0; e < n; ++e) vt[value_at<T>(j, e0 + e, d)] = row[e];
+  }
 }
 
 // The cache lines an item (a run of tokens, one head) writes, fetched for writing while the item
@@ -80,10 +114,10 @@ inline void prefetch_item(std::pair<int64_t, int64_t> run, int64_t h, const T* k
                           const int64_t* slot_mapping, int64_t heads, int64_t d, int64_t block_size) {
   const int64_t slot = slot_mapping[run.first];
   const int64_t tile = slot / block_size * heads + h, off = slot % block_size;
-  const T* kt = k_cache + tile * d * block_size + off;
-  for (int64_t e = 0; e < d; ++e) __builtin_prefetch(kt + e * block_size, 1, 3);
-  const char* v = reinterpret_cast<const char*>(v_cache + (tile * block_size + off) * d);
-  const int64_t bytes = run.second * d * static_cast<int64_t>(sizeof(T));
+  const T* kt = k_cache + tile * d * block_size;
+  for (int64_t e = 0; e < d; e += kPairedCache<T> ? 2 : 1) __builtin_prefetch(kt + key_at<T>(e, off, block_size), 1, 3);
+  const char* v = reinterpret_cast<const char*>(v_cache + tile * block_size * d + value_at<T>(off, 0, d));
+  const int64_t bytes = (run.second + (kPairedCache<T> ? 1 : 0)) * d * static_cast<int64_t>(sizeof(T));
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(v + b, 1, 3);
 }
 
@@ -101,8 +135,8 @@ void reshape_and_cache_t(const float* key, const float* value, T* k_cache, T* v_
     if (it + 1 < items) prefetch_item(runs[(it + 1) / heads], (it + 1) % heads, k_cache, v_cache, slot_mapping,
                                       heads, d, block_size);
     for (int64_t i = 0; i < n; ++i)
-      convert_row(v_cache + (tile * block_size + off + i) * d, value + (t0 + i) * value_stride + h * d, d, v_inv);
-    cache_keys(k_cache + tile * d * block_size + off, key + t0 * key_stride + h * d, key_stride, n, d, block_size,
+      cache_value(v_cache + tile * block_size * d, off + i, value + (t0 + i) * value_stride + h * d, d, v_inv);
+    cache_keys(k_cache + tile * d * block_size, off, key + t0 * key_stride + h * d, key_stride, n, d, block_size,
                k_inv);
   }
 }

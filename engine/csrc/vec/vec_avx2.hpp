@@ -48,6 +48,9 @@ struct VecF {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return {_mm256_castsi256_ps(h == 0 ? _mm256_slli_epi32(x, 16) : _mm256_and_si256(x, _mm256_set1_epi32(-65536)))};
   }
+  // Lanes i: half h of the bfloat16 pair p[i] (h = 0: the value at the lower address, 1: the
+  // other) as float32: a paired bfloat16 cache's row (kernels/cache.hpp) widened in registers.
+  static VecF widen_half(const bf16x2* p, int h) { return widen_pair(reinterpret_cast<const bf16p*>(p), h); }
   static VecF load(const f16* p) {
     return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
   }

@@ -47,6 +47,12 @@ struct VecF {
     __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
   }
+  // Lanes i: half h of the bfloat16 pair p[i] (h = 0: the value at the lower address, 1: the
+  // other) as float32: a paired bfloat16 cache's row (kernels/cache.hpp) widened in registers.
+  static VecF widen_half(const bf16x2* p, int h) {
+    const __m512i x = _mm512_loadu_si512(p);
+    return {_mm512_castsi512_ps(h == 0 ? _mm512_slli_epi32(x, 16) : _mm512_and_si512(x, _mm512_set1_epi32(-65536)))};
+  }
   static VecF load(const f16* p) {
     return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
   }

@@ -42,6 +42,12 @@ struct VecF {
     uint16x4_t h = vld1_u16(reinterpret_cast<const uint16_t*>(p));
     return {vreinterpretq_f32_u32(vshll_n_u16(h, 16))};
   }
+  // Lanes i: half h of the bfloat16 pair p[i] (h = 0: the value at the lower address, 1: the
+  // other) as float32: a paired bfloat16 cache's row (kernels/cache.hpp) widened in registers.
+  static VecF widen_half(const bf16x2* p, int h) {
+    const uint32x4_t x = vld1q_u32(reinterpret_cast<const uint32_t*>(p));
+    return {vreinterpretq_f32_u32(h == 0 ? vshlq_n_u32(x, 16) : vandq_u32(x, vdupq_n_u32(0xffff0000u)))};
+  }
   static VecF load(const f16* p) {
     return {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p))))};
   }

@@ -23,6 +23,14 @@ struct VecF {
     for (int i = 0; i < N; ++i) r.v[i] = to_float(p[i]);
     return r;
   }
+  // Lanes i: half h of the bfloat16 pair p[i] (h = 0: the value at the lower address, 1: the
+  // other) as float32: a paired bfloat16 cache's row (kernels/cache.hpp) widened in registers.
+  static VecF widen_half(const bf16x2* p, int h) {
+    VecF r;
+    const bf16* e = reinterpret_cast<const bf16*>(p);
+    for (int i = 0; i < N; ++i) r.v[i] = to_float(e[2 * i + h]);
+    return r;
+  }
   static VecF i32(const int32_t* p) {
     VecF r;
     for (int i = 0; i < N; ++i) r.v[i] = static_cast<float>(p[i]);

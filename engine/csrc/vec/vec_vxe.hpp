@@ -28,6 +28,13 @@ struct VecF {
     // element-wise shift (vec_sll would shift the whole register)
     return {reinterpret_cast<__vector float>(w << 16)};
   }
+  // Lanes i: half h of the bfloat16 pair p[i] (h = 0: the value at the lower address, 1: the
+  // other) as float32 (big-endian: the lower address holds a word's high half): a paired bfloat16 cache's row (kernels/cache.hpp) widened in registers.
+  static VecF widen_half(const bf16x2* p, int h) {
+    const __vector unsigned int x = vec_xl(0, reinterpret_cast<const unsigned int*>(p));
+    const __vector unsigned int hi_half = {0xffff0000u, 0xffff0000u, 0xffff0000u, 0xffff0000u};
+    return {reinterpret_cast<__vector float>(h == 0 ? (x & hi_half) : (x << 16))};
+  }
   static VecF load(const f16* p) {
     VecF r;
     for (int i = 0; i < N; ++i) r.v[i] = to_float(p[i]);

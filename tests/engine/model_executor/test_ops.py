@@ -138,6 +138,29 @@ def test_reshape_and_cache(kern, dtype, block_size, pattern):
     assert torch.equal(kc, kr) and torch.equal(vc, vr)
 
 
+def test_bfloat16_cache_tiles_are_paired(kern):
+    """A bfloat16 cache's key tile is [D/2][block_size][2] and its value tile [block_size/2][D][2]
+    (kernels/cache.hpp): key j's dimensions 2i, 2i + 1 side by side, keys 2i, 2i + 1's values too."""
+    hk, d, bs = 2, 8, 16
+    key, value = torch.randn(3, hk * d), torch.randn(3, hk * d)
+    k_shape, v_shape = ops.cache_shapes(2, hk, bs, d)
+    kc, vc = torch.zeros(k_shape, dtype=torch.bfloat16), torch.zeros(v_shape, dtype=torch.bfloat16)
+    ops.reshape_and_cache(key, value, kc, vc, torch.tensor([bs + 5, bs + 6, 3]), k=kern)
+    kt, vt = kc.view(2, hk, d // 2, bs, 2), vc.view(2, hk, bs // 2, d, 2)
+    k, v = key.bfloat16().view(3, hk, d), value.bfloat16().view(3, hk, d)
+    assert torch.equal(kt[1, :, :, 5], k[0].view(hk, d // 2, 2)) and torch.equal(kt[0, :, :, 3], k[2].view(hk, d // 2, 2))
+    assert torch.equal(vt[1, :, 2, :, 1], v[0]) and torch.equal(vt[1, :, 3, :, 0], v[1])
+    assert torch.equal(vt[0, :, 1, :, 1], v[2])
+    assert torch.equal(ref.key_tiles(kc)[1, :, :, 6], k[1]) and torch.equal(ref.value_tiles(vc)[0, :, 3], v[2])
+
+
+def test_paired_cache_needs_even_head_dim():
+    k_shape, v_shape = ops.cache_shapes(2, 1, 16, 7)
+    kc, vc = torch.zeros(k_shape, dtype=torch.bfloat16), torch.zeros(v_shape, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="must be even"):
+        ops.reshape_and_cache(torch.randn(1, 7), torch.randn(1, 7), kc, vc, torch.tensor([0]))
+
+
 FP8 = [torch.float8_e5m2, torch.float8_e4m3fn]
 
 
@@ -208,7 +231,8 @@ def test_paged_attention_mixed_batch(kern, dtype, block_size, group):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window,softcap", [(16, 0.0), (50, 0.0), (0, 30.0)])
 def test_paged_attention_window_softcap(kern, dtype, window, softcap):
-    """Windows start rows at odd keys (the pair path pads them with a zero probability)."""
+    """Windows start rows at odd keys (the pair path pads them with a zero probability; AMX's steps of
+    32 keys read zeros for the keys outside the block's window)."""
     q, kc, vc, tables, seq_lens, qsl, hq = _attention_case(dtype, 16, 4, 80, [1, 33, 9], [90, 33, 100], 7)
     pairs = kern.bf16_dot and dtype == torch.bfloat16
     got = ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, hq, 0.1, window, softcap, k=kern)

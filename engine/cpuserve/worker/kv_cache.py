@@ -178,7 +178,7 @@ def allocate(layers, blocks: int, block_size: int, kv_dtype: torch.dtype,
         how = "left to fault in as it is used (CPUSERVE_KV_POPULATE=off)"
     log.info("KV cache of %.2f GiB: %s", size / GiB, how)
     k_shape, _ = ops.cache_shapes(blocks, a.num_kv_heads, block_size, a.head_dim)
-    for i, layer in enumerate(layers):  # keys transposed in each block (ops.cache_shapes)
+    for i, layer in enumerate(layers):  # keys transposed in each block, bfloat16 paired (ops.cache_shapes)
         layer.k_cache, layer.v_cache = cache[i, 0].view(k_shape), cache[i, 1]
     return cache, (populator if populator is not None and populator.pending else None)
 

@@ -20,7 +20,8 @@ class PagedAttention:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group, self.q_head_offset = group, q_head_offset  # a TP rank's slice of GQA (see QKVParallelLinear)
         self.scale, self.sliding_window, self.softcap = scale, sliding_window or 0, softcap or 0.0
-        self.k_cache: torch.Tensor | None = None  # [blocks, kv_heads, head_dim, block_size] (keys transposed), bound by the runner
+        # [blocks, kv_heads, head_dim, block_size] (keys transposed; bfloat16 paired, ops.cache_shapes), bound by the runner
+        self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         # a float8 cache holds k / k_scale and v / v_scale (vLLM's per-tensor scales; 1 unless the
         # checkpoint gives them)

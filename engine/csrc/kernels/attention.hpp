@@ -632,11 +632,13 @@ inline void attend_block_amx(const AttnShape s, const TileScratch& t, const Bloc
   const int64_t j0 = b.blk_lo / kAmxKeys * kAmxKeys, j1 = (b.blk_hi / kAmxKeys + 1) * kAmxKeys;
   const MaskedPairs masked{pairs_of(vt), d, b.blk_lo, b.blk_hi};
   const AmxValues vs{pairs_of(vt), reinterpret_cast<const bf16x2*>(t.vbuf), b.blk_lo, b.blk_hi};
-  for (const int64_t j : {j0, j1 - kAmxKeys}) {
-    if (vs.step(j, d) != vs.edge + j / 2 * d) continue;
+  auto copy_edge = [&](int64_t j) {
+    if (vs.step(j, d) != vs.edge + j / 2 * d) return;
     for (int64_t r = j / 2; r < (j + kAmxKeys) / 2; ++r)
       for (int64_t e = 0; e < d; e += VecF::N) masked.at(r, e).store(t.vbuf + r * d + e);
-  }
+  };
+  copy_edge(j0);
+  if (j1 - kAmxKeys != j0) copy_edge(j1 - kAmxKeys);
   for (int64_t m0 = 0; m0 < n_rows; m0 += 16) {
     const int mr = static_cast<int>(std::min<int64_t>(16, n_rows - m0));
     amx_attention_rows(mr, t);

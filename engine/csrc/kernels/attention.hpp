@@ -43,7 +43,7 @@ constexpr bool kAmxAttention = true;
 #else
 constexpr bool kAmxAttention = false;
 #endif
-constexpr int64_t kAmxKeysPerStep = 32;  // keys an AMX values step takes (16 pairs)
+constexpr int64_t kAmxKeys = 32;  // keys an AMX values step takes (16 pairs)
 
 // How a call computes its blocks: float tiles widened in registers (direct), widened into float
 // buffers first (widen: float8 or scaled caches), bfloat16 pair dot products (pairs), or AMX tiles
@@ -523,8 +523,6 @@ inline void attend_block_pairs(const AttnShape s, const TileScratch& t, const Bl
 // (pb, the A tiles of the values) and the paired value tile ([bs / 2][d] pairs over keys: B tiles
 // of 16 key pairs by 16 elements). Tiles: C 0-3 (up to 16 rows of 16 scores or accumulator
 // elements), A 4-5, B 6-7, all configured for the chunk's rows (amx_configure(mr, mr)).
-constexpr int64_t kAmxKeys = kAmxKeysPerStep;
-
 // Tiles for mr rows, configured where the shape changes (released at the end of the call).
 inline void amx_attention_rows(int mr, const TileScratch& t) {
   if (*t.tiles == mr) return;
@@ -796,7 +794,7 @@ template <typename T>
 inline AttnPath attention_path(const AttnArgs<T>& a) {
   if (!kWidenInRegisters<T> || a.k_scale != 1.f || a.v_scale != 1.f) return AttnPath::widen;
   if (!std::is_same_v<T, bf16> || !kBf16PairAttention || a.d % VecF::N) return AttnPath::direct;
-  return kAmxAttention && a.d % 32 == 0 && a.bs % kAmxKeysPerStep == 0 ? AttnPath::amx : AttnPath::pairs;
+  return kAmxAttention && a.d % 32 == 0 && a.bs % kAmxKeys == 0 ? AttnPath::amx : AttnPath::pairs;
 }
 
 template <typename T>

@@ -65,14 +65,6 @@ struct VecF {
   static VecF dot2(VecF a, VecF b, VecF c) {
     return {_mm512_dpbf16_ps(c.v, (__m512bh)a.v, (__m512bh)b.v)};  // NOLINT: same-size vector casts
   }
-  // Lanes i: the pair (lo[i], hi[i]) of 16 bfloat16 values at lo and hi (hi == nullptr: zeros).
-  static VecF pairs(const bf16* lo, const bf16* hi) {
-    const __m512i l = lo ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo)))
-                         : _mm512_setzero_si512();
-    const __m512i h = hi ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi)))
-                         : _mm512_setzero_si512();
-    return {_mm512_castsi512_ps(_mm512_or_si512(l, _mm512_slli_epi32(h, 16)))};
-  }
   // The 16 lanes rounded to bfloat16 at dst (nearest even; denormals flushed, as vdpbf16ps reads them).
   void store_bf16(bf16* dst) const {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));  // NOLINT: same size

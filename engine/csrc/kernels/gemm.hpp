@@ -20,6 +20,7 @@
 #include <omp.h>
 #include <unistd.h>
 #include "../vec/vec.hpp"
+#include "line_vector.hpp"
 #include "prefetch.hpp"
 #include "shares.hpp"
 
@@ -354,7 +355,7 @@ void gemm_t(float* c, const TA* a, const T* w, const float* bias, int64_t m, int
 // where from_float keeps them: vdpbf16ps and tdpbf16ps read a denormal as zero either way, so the
 // products are the same.
 inline const bf16x2* bf16_pairs_of(const float* a, int64_t m, int64_t k, int64_t lda, int64_t k2) {
-  thread_local std::vector<bf16x2> buf;
+  thread_local LineVector<bf16x2> buf;
   buf.resize(static_cast<size_t>(m * k2));
   bf16x2* out = buf.data();
 #pragma omp parallel for schedule(static) if (m * k > 65536)

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <vector>
 #include "../vec/vec.hpp"
+#include "line_vector.hpp"
 #include "prefetch.hpp"
 #include "shares.hpp"
 
@@ -184,7 +185,7 @@ inline void i8_schedule(int64_t m, int64_t panels, const void* w, int64_t panel_
 // The rows of A quantized per token into the calling thread's buffers (valid until its next call).
 inline I8Rows i8_rows_of(const float* a, int64_t m, int64_t k, int64_t lda, bool asym) {
   const int64_t kp = i8_kpad(k);
-  thread_local std::vector<int8_t> qbuf;
+  thread_local LineVector<int8_t> qbuf;
   thread_local std::vector<float> sbuf;
   thread_local std::vector<int32_t> zbuf;
   qbuf.resize(static_cast<size_t>(m * kp));

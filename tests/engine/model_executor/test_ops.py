@@ -310,6 +310,18 @@ def test_gemm(kern, dtype, m, n, k):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * math.sqrt(k))
 
 
+@pytest.mark.parametrize("dtype", STORAGE)
+@pytest.mark.parametrize("m,n,k", [(1, 64, 96), (7, 100, 576), (50, 192, 576), (300, 70, 40)])
+def test_gemm_without_bias(kern, dtype, m, n, k):
+    """Without a bias the AMX table stores whole panels' tiles straight into C (amx.hpp amx_gemm),
+    rows of 1-16 and 17-32 (one or two row tiles) and a last narrow panel through its buffer."""
+    torch.manual_seed(m + n + k)
+    x, w = torch.randn(m, k), torch.randn(n, k).to(dtype)
+    got = ops.linear(x, ops.PackedWeight(w, k=kern), k=kern)
+    want = ref.linear(x, w.float(), None, bf16_inputs=kern.bf16_dot and dtype == torch.bfloat16)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * math.sqrt(k))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemm_rows_independent_of_batch(kern, dtype):
     torch.manual_seed(0)

@@ -20,6 +20,7 @@
 #include "../vec/vec.hpp"
 #include "amx.hpp"
 #include "cache.hpp"
+#include "line_vector.hpp"
 #include "prefetch.hpp"
 
 namespace cpuserve {
@@ -433,26 +434,35 @@ struct TileScratch {
   LineQueue* queue;      // the next block's cache lines, issued from the micro-kernels' loops
   int* tiles;            // the rows the AMX tiles are configured for (0: not configured)
 
+  // Each part on a cache line of its own (LineVector, sizes rounded up to whole lines): the AMX
+  // path's tile loads and stores read and write rows of acc, sblk, qb and pb, and a row crossing
+  // a line costs two.
   static TileScratch for_this_thread(int64_t group, int64_t d, int64_t bs) {
-    static thread_local std::vector<float> scratch;
+    static thread_local LineVector<float> scratch;
     static thread_local std::vector<const float*> qptr;
     static thread_local std::vector<const bf16x2*> qpair;
     static thread_local LineQueue queue;
     static thread_local int tiles = 0;
     const int64_t tile = kQTile * group;
-    const size_t need = static_cast<size_t>(tile * (d + 2 + bs) + 2 * bs * d + tile * (d + bs) / 2);
-    if (scratch.size() < need) scratch.resize(need);
+    auto lines = [](int64_t floats) { return (floats + 15) / 16 * 16; };
+    const int64_t sizes[] = {tile * d, tile, tile, tile * bs, bs * d, bs * d, (tile * d + 1) / 2, (tile * bs + 1) / 2};
+    int64_t need = 0;
+    for (const int64_t n : sizes) need += lines(n);
+    if (scratch.size() < static_cast<size_t>(need)) scratch.resize(static_cast<size_t>(need));
     if (qptr.size() < static_cast<size_t>(tile)) qptr.resize(static_cast<size_t>(tile));
     if (qpair.size() < qptr.size()) qpair.resize(qptr.size());
+    float* part[8];
+    part[0] = scratch.data();
+    for (int i = 1; i < 8; ++i) part[i] = part[i - 1] + lines(sizes[i - 1]);
     TileScratch t;
-    t.acc = scratch.data();
-    t.m = t.acc + tile * d;
-    t.l = t.m + tile;
-    t.sblk = t.l + tile;
-    t.kbuf = t.sblk + tile * bs;
-    t.vbuf = t.kbuf + bs * d;
-    t.qb = reinterpret_cast<bf16*>(t.vbuf + bs * d);
-    t.pb = t.qb + tile * d;
+    t.acc = part[0];
+    t.m = part[1];
+    t.l = part[2];
+    t.sblk = part[3];
+    t.kbuf = part[4];
+    t.vbuf = part[5];
+    t.qb = reinterpret_cast<bf16*>(part[6]);
+    t.pb = reinterpret_cast<bf16*>(part[7]);
     t.qptr = qptr.data();
     t.qpair = qpair.data();
     t.queue = &queue;

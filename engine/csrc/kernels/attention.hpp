@@ -19,6 +19,7 @@
 #include <omp.h>
 #include "../vec/vec.hpp"
 #include "amx.hpp"
+#include "amx_softmax.hpp"
 #include "cache.hpp"
 #include "line_vector.hpp"
 #include "prefetch.hpp"
@@ -256,7 +257,7 @@ inline void accumulate_values(float* acc, const AOf<typename Src::Elem>* p, int6
   }
 }
 
-// online_softmax in its three passes, for callers that run each pass over many rows (attend_block_amx).
+// online_softmax in its three passes.
 // The max of the block's scores p[0, n), scaled; `fold` becomes the factor the exp pass applies.
 [[gnu::always_inline]] inline float softmax_block_max(float* p, int64_t n, float scale, float softcap, float& fold) {
   float blk_max = -std::numeric_limits<float>::infinity();
@@ -285,20 +286,14 @@ inline void accumulate_values(float* acc, const AOf<typename Src::Elem>* p, int6
   return blk_max;
 }
 
-// p[0, n) -> exp(fma(p, fold, -m_new)), into p, or (to not null, on the bfloat16 tables) as
-// bfloat16 into to[0, n), rounded as a float32 vector of them is (VecF::store_bf16); returns their sum.
-[[gnu::always_inline]] inline float softmax_block_exp(float* p, int64_t n, float fold, float m_new,
-                                                      [[maybe_unused]] bf16* to = nullptr) {
+// p[0, n) -> exp(fma(p, fold, -m_new)), in place; returns their sum.
+[[gnu::always_inline]] inline float softmax_block_exp(float* p, int64_t n, float fold, float m_new) {
   const VecF vf = VecF::set1(fold), vneg = VecF::set1(-m_new);
   VecF vsum = VecF::zero();
   int64_t j = 0;
   for (; j + VecF::N <= n; j += VecF::N) {
     const VecF e = VecF::fma(VecF::load(p + j), vf, vneg).exp();
-#ifdef __AVX512BF16__
-    if (to != nullptr) e.store_bf16(to + j);
-    else
-#endif
-      e.store(p + j);
+    e.store(p + j);
     vsum = vsum + e;
   }
   float psum = vsum.reduce_sum();
@@ -306,16 +301,6 @@ inline void accumulate_values(float* acc, const AOf<typename Src::Elem>* p, int6
     p[j] = std::exp(std::fma(p[j], fold, -m_new));
     psum += p[j];
   }
-#ifdef __AVX512BF16__
-  if (to != nullptr && n % VecF::N != 0) {  // the tail through one vector, rounded as the rest
-    const int64_t t0 = n - n % VecF::N;
-    alignas(64) float tail[VecF::N] = {};
-    alignas(64) bf16 out[VecF::N];
-    std::copy(p + t0, p + n, tail);
-    VecF::load(tail).store_bf16(out);
-    std::copy(out, out + (n - t0), to + t0);
-  }
-#endif
   return psum;
 }
 
@@ -666,32 +651,31 @@ inline void zero_unseen_probabilities(int64_t k_lo, int64_t k_hi, int64_t j0, in
   for (int64_t j = k_hi + 1; j < j1; ++j) dst[j] = bf16{0};
 }
 
-// online_softmax for the chunk's rows [m0, m0 + mr), each pass over all of them before the next
-// (a row's passes wait on each other's reductions; rows side by side keep the vector units busy),
-// the probabilities stored in bfloat16 by the exp pass itself (pb, zero over the key steps [j0, j1)
-// outside a row's keys). Each row's arithmetic is online_softmax's: the same bits. (The softmax
-// alone, one core, 16 rows of 128 keys: 83 -> 60 ns a row against online_softmax then a bfloat16
-// pass, with exp's power of two by vscalefps; a 2,048-token prefill's whole attention 2-6% faster,
-// old and new in one binary, paired runs in both orders.)
+// The chunk's rows [m0, m0 + mr) through one block's softmax step (amx_softmax.hpp: base 2, the
+// rows' reductions transposed, the probabilities stored in bfloat16 by the exp pass), their
+// accumulators rescaled where their max moved, and each row's probabilities zero over the key
+// steps [j0, j1) outside its keys. On this path m is kept in base 2 (scaled by log2(e)).
 inline void amx_softmax_rows(const AttnShape& s, const TileScratch& t, const BlockView& b, int64_t m0, int mr,
                              int64_t j0, int64_t j1) {
   const int64_t d = s.d, bs = s.bs;
-  float fold[16], m_new[16], psum[16];
-  int64_t lo[16], n[16];
-  for (int r = 0; r < mr; ++r) {
-    const auto [k_lo, k_hi] = b.row_keys((m0 + r) / b.ng, s);
-    lo[r] = k_lo, n[r] = k_hi - k_lo + 1;
-    if (n[r] > 0) m_new[r] = std::max(t.m[m0 + r], softmax_block_max(t.sblk + (m0 + r) * bs + k_lo, n[r], s.scale,
-                                                                      s.softcap, fold[r]));
-  }
+  amx_softmax::Rows16 rows;
+  int64_t lo[16];
   for (int r = 0; r < mr; ++r) {
     const int64_t i = m0 + r;
-    if (n[r] > 0) psum[r] = softmax_block_exp(t.sblk + i * bs + lo[r], n[r], fold[r], m_new[r], t.pb + i * bs + lo[r]);
+    const auto [k_lo, k_hi] = b.row_keys(i / b.ng, s);
+    lo[r] = k_lo, rows.n[r] = k_hi - k_lo + 1;
+    rows.u[r] = t.sblk + i * bs + k_lo;
+    rows.p[r] = t.pb + i * bs + k_lo;
   }
+  float alpha[16];
+  amx_softmax::step(rows, mr, s.scale, s.softcap, t.m + m0, t.l + m0, alpha);
   for (int r = 0; r < mr; ++r) {
     const int64_t i = m0 + r;
-    if (n[r] > 0) softmax_block_fold(m_new[r], psum[r], t.m + i, t.l + i, t.acc + i * d, d);
-    zero_unseen_probabilities(lo[r], lo[r] + n[r] - 1, j0, j1, t.pb + i * bs);
+    if (alpha[r] != 1.f) {
+      const VecF va = VecF::set1(alpha[r]);
+      for (int64_t e = 0; e + VecF::N <= d; e += VecF::N) (VecF::load(t.acc + i * d + e) * va).store(t.acc + i * d + e);
+    }
+    zero_unseen_probabilities(lo[r], lo[r] + rows.n[r] - 1, j0, j1, t.pb + i * bs);
   }
 }
 

@@ -46,7 +46,11 @@ inline void amx_configure(int rows0, int rows1) {
   const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, kTilePairs, kTilePairs};
   for (int t = 0; t < 8; ++t)
     if (rows[t] > 0) cfg.rows[t] = static_cast<uint8_t>(rows[t]), cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);
+  // Not _tile_loadconfig(&cfg): GCC 12's declares the asm's operand as one pointer's 8 bytes, so
+  // to the optimizer the other stores into cfg are dead; inlined into a caller that sees the whole
+  // struct, -O3 dropped the column widths and ldtilecfg faulted (a #GP: SIGSEGV). The operand here
+  // is all 64 bytes.
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
 }
 
 // Rows [0, mr) (mr <= 32, tiles configured for them) of A times one panel, both in 4-byte units

@@ -24,6 +24,7 @@
 #include "activation.hpp"
 #include "gemm.hpp"
 #include "int8.hpp"
+#include "line_vector.hpp"
 #include "shares.hpp"
 
 namespace cpuserve {
@@ -162,20 +163,32 @@ void amx_gemm(float* c, const float* af, const bf16x2* w, const float* bias, int
   });
 }
 
+// Rows of gate and up products amx_gemm_silu takes on tiles before the vector code's silu: going
+// from tile code to vector code and back costs about 250 cycles each way (attention.hpp), and one
+// 32-row block at a time paid that for every 2 x 18 tile steps of a K = 576 gate/up panel pair.
+constexpr int64_t kSiluRows = 4 * kAmxRows;
+
 // act[M, F] = silu(A W[0:F]^T) * (A W[F:2F]^T), F a multiple of kNR: gate panel j and up panel
-// j + F / kNR into one buffer, then silu_mul_row; the same bits as amx_gemm then silu_and_mul.
+// j + F / kNR for up to kSiluRows rows into two buffers, then silu_mul_row over them; the same bits
+// as amx_gemm then silu_and_mul.
 void amx_gemm_silu(float* act, const float* af, const bf16x2* w, int64_t m, int64_t f, int64_t k, int64_t lda,
                    int64_t ldo) {
   const int64_t k2 = packed_pairs(k), pairs = f / kNR;
   const bf16x2* a = bf16_pairs_of(af, m, k, lda, k2);
   amx_share(m, pairs, 2 * m * f * k, [&](int64_t m0, int64_t m1, int64_t j0, int64_t j1, int& shape) {
-    alignas(64) float gate[kAmxRows * kNR], up[kAmxRows * kNR];
+    static thread_local LineVector<float> buf(2 * kSiluRows * kNR);
+    float* const gate = buf.data();
+    float* const up = gate + kSiluRows * kNR;
     for (int64_t j = j0; j < j1; ++j)
-      for (int64_t r = m0; r < m1; r += kAmxRows) {
-        const int mr = static_cast<int>(std::min(kAmxRows, m1 - r));
-        amx_rows(mr, a + r * k2, k2, w + j * k2 * kNR, k2, gate, shape);
-        amx_rows(mr, a + r * k2, k2, w + (j + pairs) * k2 * kNR, k2, up, shape);
-        for (int i = 0; i < mr; ++i) silu_mul_row(act + (r + i) * ldo + j * kNR, gate + i * kNR, up + i * kNR, kNR);
+      for (int64_t r0 = m0; r0 < m1; r0 += kSiluRows) {
+        const int64_t r1 = std::min(m1, r0 + kSiluRows);
+        for (int64_t r = r0; r < r1; r += kAmxRows) {
+          const int mr = static_cast<int>(std::min(kAmxRows, r1 - r));
+          amx_rows(mr, a + r * k2, k2, w + j * k2 * kNR, k2, gate + (r - r0) * kNR, shape);
+          amx_rows(mr, a + r * k2, k2, w + (j + pairs) * k2 * kNR, k2, up + (r - r0) * kNR, shape);
+        }
+        for (int64_t i = 0; i < r1 - r0; ++i)
+          silu_mul_row(act + (r0 + i) * ldo + j * kNR, gate + i * kNR, up + i * kNR, kNR);
       }
   });
 }

@@ -23,6 +23,7 @@
 #include "../dtype.hpp"
 
 namespace cpuserve {
+namespace {  // (internal linkage, as every kernel header's: each ISA unit its own copy)
 namespace amx_softmax {
 
 // 2^t per lane for t <= 0 (t finite: 2^t of a very negative t is 0, through vscalefps).
@@ -133,5 +134,6 @@ inline void step(const Rows16& rows, int mr, float scale, float softcap, float* 
 }
 
 }  // namespace amx_softmax
+}  // namespace
 }  // namespace cpuserve
 #endif  // __AMX_BF16__

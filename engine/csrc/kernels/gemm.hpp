@@ -36,16 +36,6 @@ constexpr int kMR = 6;
 // 40): float32 7 / 8 rows 17.6 / 18.0 -> 15.0 / 16.2 ms, bfloat16 9.1 / 9.4 -> 8.7 / 8.7 ms;
 // cached 1,536 x 576 weights, 8 rows 49 -> 38 us; 1-6 and 12-16 rows unchanged.
 constexpr int kPassRows = VecF::kRegs >= 32 ? 8 : kMR;
-// The rows of each row tile over a weight chunk in a batch GEMM of `rows` rows (more than
-// kPassRows): two even tiles where they fit a pass each, else kMR. 16 rows (a 16-stream decode
-// step) as 8 + 8 instead of 6 + 6 + 4 read each chunk from L2 twice instead of three times, and
-// drop the 4-row tile's half-rate FMAs per load. The default model's 120 layer GEMMs, weights
-// from memory, AMD EPYC Zen 4, the two taking turns (medians of 7 each): float32 16 rows
-// 25.0-29.5 -> 22.6-24.8 ms (4 runs of 4), bfloat16 15.6-19.4 -> 14.8-16.7 (3 of 3); 14 rows
-// faster in 2 runs of 3. 8-row tiles for 64 rows too changed nothing measurable: kMR stays.
-inline int64_t tile_rows(int64_t rows) {
-  return kPassRows > kMR && rows <= 2 * kPassRows ? (rows + 1) / 2 : kMR;
-}
 constexpr int64_t kKC = 384;   // K block where a panel's whole K is too big for the L2 (k_block)
 constexpr int64_t kMC = 72;    // rows of A per work item: the least, see row_tiles
 
@@ -93,6 +83,33 @@ constexpr bool kBf16Pairs = true;
 #else
 constexpr bool kBf16Pairs = false;
 #endif
+
+// The rows of a batch GEMM's register tile over weights of type T: kMR, or 12 for bfloat16 pairs
+// on vdpbf16ps, whose 6-cycle latency wants more chains in flight than 6 rows x 2 vectors: on AMD
+// EPYC Zen 5 (two vdpbf16ps a cycle) 12 independent chains reach 91% of its rate, 16 and more
+// 100%, against 12 for float32's 4-cycle FMA. 12 x 2 vectors is 24 accumulators, two weight
+// vectors and a broadcast: 27 of the 32 registers, 14 loads per 24 dot products where 6 rows took 8
+// per 12.
+template <typename T>
+constexpr int kTileRows = std::is_same_v<T, bf16x2> && kBf16Pairs ? 12 : kMR;
+template <typename T>
+constexpr int kTileMax = std::max(kPassRows, kTileRows<T>);
+
+// The rows of each row tile over a weight chunk in a batch GEMM of `rows` rows (more than
+// kPassRows): two even tiles where they fit a pass each, else kMR, or tiles of at most
+// kTileRows<T> as even as they go (64 rows: 11 x 5 + 9, not 12 x 5 + 4). 16 rows (a 16-stream decode
+// step) as 8 + 8 instead of 6 + 6 + 4 read each chunk from L2 twice instead of three times, and
+// drop the 4-row tile's half-rate FMAs per load. The default model's 120 layer GEMMs, weights
+// from memory, AMD EPYC Zen 4, the two taking turns (medians of 7 each): float32 16 rows
+// 25.0-29.5 -> 22.6-24.8 ms (4 runs of 4), bfloat16 15.6-19.4 -> 14.8-16.7 (3 of 3); 14 rows
+// faster in 2 runs of 3. 8-row tiles for 64 rows too changed nothing measurable: kMR stays.
+template <typename T>
+inline int64_t tile_rows(int64_t rows) {
+  if (kPassRows > kMR && rows <= 2 * kPassRows) return (rows + 1) / 2;
+  if constexpr (kTileRows<T> == kMR) return kMR;
+  const int64_t tiles = (rows + kTileRows<T> - 1) / kTileRows<T>;
+  return (rows + tiles - 1) / tiles;
+}
 
 // Whether a bfloat16 weight of K columns is packed as (k, k + 1) pairs that are widened in registers
 // (bf16p, AVX2): an even K. A 32-byte load then gives two vectors of 8 columns by one shift and one
@@ -262,7 +279,7 @@ inline void micro_rows(int mr, const TA* a, int64_t lda, const T* w, int64_t k, 
     // them (prefetching cost 3 rows 20% on cached weights and gained nothing from memory).
     const int64_t chunk = kc * kNR * static_cast<int64_t>(sizeof(T));
     const Prefetch next = mr > kMR && p + 1 < p1 ? Prefetch::bytes(bp + ps, chunk) : pf;
-    micro_tile<kPassRows>(mr, a, lda, bp, ps, kc, cp, ldc, first, cols, next);
+    micro_tile<kTileMax<T>>(mr, a, lda, bp, ps, kc, cp, ldc, first, cols, next);
     ++p;
   }
 }
@@ -331,7 +348,7 @@ void gemm_t(float* c, const TA* a, const T* w, const float* bias, int64_t m, int
                    k0 == 0);
         continue;
       }
-      const int64_t tr = tile_rows(m1 - m0), tiles = (m1 - m0 + tr - 1) / tr;
+      const int64_t tr = tile_rows<T>(m1 - m0), tiles = (m1 - m0 + tr - 1) / tr;
       for (int64_t p = p0; p < p1; ++p) {  // one panel chunk reused by every row tile
         // one row tile streams its chunk once: the hardware prefetchers keep up with that alone
         const Prefetch next = tiles > 1 ? next_chunk(w, k, k0, kc_max, p, p0, p1, panels) : Prefetch{};

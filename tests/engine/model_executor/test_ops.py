@@ -299,9 +299,11 @@ def test_paged_attention_decode_heads_split_or_whole(kern, dtype):
 
 @pytest.mark.parametrize("dtype", STORAGE)
 # 1-8 rows run in one pass over the weights (gemm.hpp kPassRows); K = 4,200: K blocks (gemm.hpp
-# k_block) where the L2 is at most 2 MiB (float32), 1 MiB (bfloat16)
+# k_block) where the L2 is at most 2 MiB (float32), 1 MiB (bfloat16); bfloat16 pairs on vdpbf16ps take
+# row tiles of up to 12 as even as they go (gemm.hpp kTileRows: 25 rows as 9 + 8 + 8, 64 as 11 x 5 + 9)
 @pytest.mark.parametrize("m,n,k", [(1, 576, 576), (7, 100, 33), (8, 200, 576), (64, 192, 576), (50, 49, 1536), (3, 1, 5),
-                                   (300, 70, 40), (9, 40, 4200), (8, 40, 4200), (16, 100, 576), (13, 64, 96)])
+                                   (300, 70, 40), (9, 40, 4200), (8, 40, 4200), (16, 100, 576), (13, 64, 96),
+                                   (25, 96, 130), (24, 33, 576)])
 def test_gemm(kern, dtype, m, n, k):
     torch.manual_seed(m + n + k)
     x, w, b = torch.randn(m, k), torch.randn(n, k).to(dtype), torch.randn(n)
@@ -329,8 +331,9 @@ def test_gemm_rows_independent_of_batch(kern, dtype):
     full = ops.linear(x, w, k=kern)  # 300 rows: more than one row tile on any L2 (gemm.hpp row_tiles)
     for i in (0, 5, 66, 299):
         assert torch.equal(ops.linear(x[i:i + 1], w, k=kern), full[i:i + 1])
-    # 7 and 8 rows: one pass (gemm.hpp kPassRows); 13 and 16: two row tiles of up to 8 (tile_rows)
-    for lo, hi in ((10, 23), (3, 10), (40, 48), (0, 67), (20, 290), (100, 116)):
+    # 7 and 8 rows: one pass (gemm.hpp kPassRows); 13 and 16: two row tiles of up to 8 (tile_rows);
+    # 13-, 23-, 25- and 37-row slices as the bfloat16 pairs' even tiles of up to 12 cut them (kTileRows)
+    for lo, hi in ((10, 23), (3, 10), (40, 48), (0, 67), (20, 290), (100, 116), (1, 24), (50, 75), (7, 44)):
         assert torch.equal(ops.linear(x[lo:hi], w, k=kern), full[lo:hi])
 
 

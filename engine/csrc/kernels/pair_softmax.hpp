@@ -1,7 +1,8 @@
-// The online softmax step of attention on AMX tiles (attention.hpp, attend_block_amx), for the up
-// to 16 (row, head)s of a chunk at once, in base 2. The tiles leave little else to do: in a
-// 2,048-token prefill the softmax of a chunk's block took longer than its scores and values
-// together. So this path has its own softmax, built for it:
+// The online softmax step of attention on bfloat16 (attention.hpp: the pair path on vdpbf16ps and
+// the path on AMX tiles), for up to 16 (row, head)s of a block at once, in base 2. Written for the
+// tiles first, which leave little else to do (in a 2,048-token prefill the softmax of a chunk's
+// block took longer than its scores and values together); the pair path took it since, where the
+// shared one (online_softmax) reduced each row on its own:
 //   - exp2 of t = fma(u, c, -m) directly, c = scale * log2(e): no multiply by log2(e) and no
 //     Cody-Waite split, no clamp (t <= 0 always, and vscalefps takes 2^n of any n), a degree-5
 //     polynomial for 2^f on [-1/2, 1/2] (relative error 2.3e-7 evaluated in float32): 11 vector
@@ -10,11 +11,12 @@
 //   - the 16 rows' horizontal maxima and sums as one transposed reduction (45 operations for the
 //     16 rows where one row's reduction took 8).
 //   - a row's keys that start or end inside a vector through masked loads and stores.
-// The probabilities are rounded to bfloat16 (the values' A tiles) by the exp pass itself. Every
-// row on tiles takes this path, decode or prefill, whatever the batch: its bits depend only on its
-// position (the vector steps start at the row's first key in the block), as on the other paths.
+// The probabilities are rounded to bfloat16 (the values' operands) by the exp pass itself. Every
+// row of a path takes this step, decode or prefill, whatever the batch: its bits depend only on its
+// position (the vector steps start at the row's first key in the block; each row's reduction is a
+// fixed tree of its own lanes), as on the other paths.
 #pragma once
-#ifdef __AMX_BF16__
+#ifdef __AVX512BF16__
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
@@ -24,7 +26,7 @@
 
 namespace cpuserve {
 namespace {  // (internal linkage, as every kernel header's: each ISA unit its own copy)
-namespace amx_softmax {
+namespace pair_softmax {
 
 // 2^t per lane for t <= 0 (t finite: 2^t of a very negative t is 0, through vscalefps).
 [[gnu::always_inline]] inline __m512 exp2(__m512 t) {
@@ -55,6 +57,17 @@ template <bool Max>
   // z's lanes hold the vectors in the order the shuffles left them; put lane r on vector r
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, z);
+}
+
+// out[r] = max (Max) or sum of v[r]'s 16 lanes for r < mr: transposed (reduce16) for more than 4
+// rows, where it costs fewer operations than the rows one at a time (a decode's 3 heads of a
+// group take those). _mm512_reduce_add_ps adds a vector's lanes in reduce16's tree for its lane
+// (halves, then quarters, then pairs within a block, then neighbours: checked bit for bit on 3.2
+// million rows), so a row's sum does not depend on how many rows share its step.
+template <bool Max>
+[[gnu::always_inline]] inline void reduce_rows(const __m512* v, int mr, float* out) {
+  if (mr > 4) return _mm512_store_ps(out, reduce16<Max>(v));
+  for (int r = 0; r < mr; ++r) out[r] = Max ? _mm512_reduce_max_ps(v[r]) : _mm512_reduce_add_ps(v[r]);
 }
 
 inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
@@ -118,14 +131,14 @@ inline void step(const Rows16& rows, int mr, float scale, float softcap, float* 
     if (has) c[r] = prepare_scores(rows.u[r], rows.n[r], scale, softcap);
     v[r] = has ? row_max(rows.u[r], rows.n[r]) : _mm512_setzero_ps();
   }
-  _mm512_store_ps(m_new, reduce16<true>(v));
+  reduce_rows<true>(v, mr, m_new);
   for (int r = 0; r < mr; ++r) {
     const bool has = rows.n[r] > 0;
     m_new[r] = has ? std::max(m[r], m_new[r] * c[r]) : m[r];
     v[r] = has ? row_exp(rows.u[r], rows.n[r], c[r], m_new[r], rows.p[r]) : _mm512_setzero_ps();
   }
   for (int r = mr; r < 16; ++r) v[r] = _mm512_setzero_ps();
-  _mm512_store_ps(psum, reduce16<false>(v));
+  reduce_rows<false>(v, mr, psum);
   for (int r = 0; r < mr; ++r) {
     alpha[r] = m_new[r] == m[r] ? 1.f : std::exp2(m[r] - m_new[r]);  // 2^-inf = 0 on the first block
     if (rows.n[r] > 0) l[r] = l[r] * alpha[r] + psum[r];
@@ -133,7 +146,7 @@ inline void step(const Rows16& rows, int mr, float scale, float softcap, float* 
   }
 }
 
-}  // namespace amx_softmax
+}  // namespace pair_softmax
 }  // namespace
 }  // namespace cpuserve
-#endif  // __AMX_BF16__
+#endif  // __AVX512BF16__

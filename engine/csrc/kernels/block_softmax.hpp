@@ -1,8 +1,10 @@
-// The online softmax step of attention on bfloat16 (attention.hpp: the pair path on vdpbf16ps and
-// the path on AMX tiles), for up to 16 (row, head)s of a block at once, in base 2. Written for the
-// tiles first, which leave little else to do (in a 2,048-token prefill the softmax of a chunk's
-// block took longer than its scores and values together); the pair path took it since, where the
-// shared one (online_softmax) reduced each row on its own:
+// The online softmax step of attention (attention.hpp) for up to 16 (row, head)s of a block at
+// once, in base 2, on every AVX-512 table: float probabilities for the float path (in place over
+// the scores), bfloat16 ones for the pair path on vdpbf16ps and the path on AMX tiles. Written for
+// the tiles first, which leave little else to do (in a 2,048-token prefill the softmax of a
+// chunk's block took longer than its scores and values together); the other paths took it since,
+// where the shared one (online_softmax, which the AVX2 and other tables keep) reduced each row on
+// its own:
 //   - exp2 of t = fma(u, c, -m) directly, c = scale * log2(e): no multiply by log2(e) and no
 //     Cody-Waite split, no clamp (t <= 0 always, and vscalefps takes 2^n of any n), a degree-5
 //     polynomial for 2^f on [-1/2, 1/2] (relative error 2.3e-7 evaluated in float32): 11 vector
@@ -11,12 +13,12 @@
 //   - the 16 rows' horizontal maxima and sums as one transposed reduction (45 operations for the
 //     16 rows where one row's reduction took 8).
 //   - a row's keys that start or end inside a vector through masked loads and stores.
-// The probabilities are rounded to bfloat16 (the values' operands) by the exp pass itself. Every
-// row of a path takes this step, decode or prefill, whatever the batch: its bits depend only on its
+// The probabilities are stored by the exp pass itself (bfloat16 ones rounded there). Every row of
+// a path takes this step, decode or prefill, whatever the batch: its bits depend only on its
 // position (the vector steps start at the row's first key in the block; each row's reduction is a
 // fixed tree of its own lanes), as on the other paths.
 #pragma once
-#ifdef __AVX512BF16__
+#ifdef __AVX512F__
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
@@ -26,7 +28,7 @@
 
 namespace cpuserve {
 namespace {  // (internal linkage, as every kernel header's: each ISA unit its own copy)
-namespace pair_softmax {
+namespace block_softmax {
 
 // 2^t per lane for t <= 0 (t finite: 2^t of a very negative t is 0, through vscalefps).
 [[gnu::always_inline]] inline __m512 exp2(__m512 t) {
@@ -82,20 +84,34 @@ inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask
   return vm;
 }
 
-// to[j] = bfloat16(2^fma(u[j], c, -m)) for j < n; returns their float32 sum as partial sums.
-[[gnu::always_inline]] inline __m512 row_exp(const float* u, int64_t n, float c, float m, bf16* to) {
+// e (its lanes k) stored at to, as float or rounded to bfloat16.
+[[gnu::always_inline]] inline void store(float* to, __m512 e) { _mm512_storeu_ps(to, e); }
+[[gnu::always_inline]] inline void store(float* to, __m512 e, __mmask16 k) { _mm512_mask_storeu_ps(to, k, e); }
+#ifdef __AVX512BF16__
+[[gnu::always_inline]] inline void store(bf16* to, __m512 e) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(to), (__m256i)_mm512_cvtneps_pbh(e));  // NOLINT
+}
+[[gnu::always_inline]] inline void store(bf16* to, __m512 e, __mmask16 k) {
+  _mm256_mask_storeu_epi16(to, k, (__m256i)_mm512_cvtneps_pbh(e));  // NOLINT
+}
+#endif
+
+// to[j] = 2^fma(u[j], c, -m) for j < n (float, or rounded to bfloat16; to may be u); returns their
+// float32 sum as partial sums.
+template <typename P>
+[[gnu::always_inline]] inline __m512 row_exp(const float* u, int64_t n, float c, float m, P* to) {
   const __m512 vc = _mm512_set1_ps(c), vneg = _mm512_set1_ps(-m);
   __m512 sum = _mm512_setzero_ps();
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
     const __m512 e = exp2(_mm512_fmadd_ps(_mm512_loadu_ps(u + j), vc, vneg));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + j), (__m256i)_mm512_cvtneps_pbh(e));  // NOLINT
+    store(to + j, e);
     sum = _mm512_add_ps(sum, e);
   }
   if (j < n) {
     const __mmask16 k = lanes(n - j);
     const __m512 e = _mm512_maskz_mov_ps(k, exp2(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, u + j), vc, vneg)));
-    _mm256_mask_storeu_epi16(to + j, k, (__m256i)_mm512_cvtneps_pbh(e));  // NOLINT
+    store(to + j, e, k);
     sum = _mm512_add_ps(sum, e);
   }
   return sum;
@@ -116,14 +132,17 @@ inline float prepare_scores(float* u, int64_t n, float scale, float softcap) {
 }
 
 // One block's softmax step for rows r < mr: row r's keys are u[r] [0, n[r]) (n[r] <= 0: none),
-// its probabilities go to p[r] [0, n[r]) in bfloat16; m[r] (base 2) and l[r] move on, and
-// returns in alpha[r] the factor the row's accumulator takes (1 where its max did not move).
+// its probabilities go to p[r] [0, n[r]) (float, in place where p[r] is u[r], or bfloat16); m[r]
+// (base 2) and l[r] move on, and returns in alpha[r] the factor the row's accumulator takes (1
+// where its max did not move).
+template <typename P>
 struct Rows16 {
   float* u[16];
-  bf16* p[16];
+  P* p[16];
   int64_t n[16];
 };
-inline void step(const Rows16& rows, int mr, float scale, float softcap, float* m, float* l, float* alpha) {
+template <typename P>
+inline void step(const Rows16<P>& rows, int mr, float scale, float softcap, float* m, float* l, float* alpha) {
   alignas(64) float c[16], m_new[16], psum[16];
   __m512 v[16];
   for (int r = 0; r < 16; ++r) {
@@ -146,7 +165,7 @@ inline void step(const Rows16& rows, int mr, float scale, float softcap, float* 
   }
 }
 
-}  // namespace pair_softmax
+}  // namespace block_softmax
 }  // namespace
 }  // namespace cpuserve
-#endif  // __AVX512BF16__
+#endif  // __AVX512F__

@@ -65,7 +65,8 @@ template <bool Max>
 // rows, where it costs fewer operations than the rows one at a time (a decode's 3 heads of a
 // group take those). _mm512_reduce_add_ps adds a vector's lanes in reduce16's tree for its lane
 // (halves, then quarters, then pairs within a block, then neighbours: 3.2 million rows bit for
-// bit; tests/engine/csrc/block_softmax_tests.cpp holds whole steps to it), so a row's sum does not depend on how many rows share its step.
+// bit; tests/engine/csrc/block_softmax_tests.cpp holds whole steps to it), so a row's sum does
+// not depend on how many rows share its step.
 template <bool Max>
 [[gnu::always_inline]] inline void reduce_rows(const __m512* v, int mr, float* out) {
   if (mr > 4) return _mm512_store_ps(out, reduce16<Max>(v));

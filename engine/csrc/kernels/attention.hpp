@@ -29,13 +29,6 @@ namespace cpuserve {
 namespace {
 
 constexpr int64_t kQTile = 16;
-// Cache lines of the next block a decode micro-kernel's loop step prefetches (LineQueue): a
-// float32 block of 128 keys is 1,024 lines of keys and values against 256 score and value steps of
-// a decode item, so its prefetches go out over the first half of the block before. Against the
-// whole next block prefetched at once (AMD EPYC Zen 5, 2 threads, 200 tokens of context, decode
-// attention a layer): float32 64 sequences 678-727 -> 620-641 us, 16 sequences 175-186 -> 164-173,
-// bfloat16 64 sequences 490-591 -> 338-342. 2 or 8 lines a step: slower.
-constexpr int kQueuedLinesPerStep = 4;
 #ifdef __AVX512BF16__
 constexpr bool kBf16PairAttention = true;
 #else
@@ -75,8 +68,7 @@ inline void convert_to_float(float* dst, const T* src, int64_t n, float scale) {
 // key vectors, value accumulators of R rows x V vectors.
 constexpr int kScoreQB = VecF::kRegs >= 32 ? 6 : 4;
 constexpr int kScoreKB = VecF::kRegs >= 32 ? 4 : 2;
-// Decode (a paced block, kernels/prefetch.hpp LineQueue) blocks the scores as kDecodeQB x
-// kDecodeKB instead: with 32 vector registers, 8 key vectors are a float32 block's whole row of
+// Decode (a block of few rows, few_rows) blocks the scores as kDecodeQB x kDecodeKB instead: with 32 vector registers, 8 key vectors are a float32 block's whole row of
 // 128 keys, so the transposed key tile is read row after row, one sequential stream that the
 // hardware prefetchers follow, where 4 took every other half row (a 512-byte stride). AMD EPYC
 // Zen 4, two threads, 200 tokens of context, 30 layers' caches from memory, the builds taking
@@ -96,7 +88,7 @@ template <typename T> struct Rows {
   using Elem = T;
   const T* p;
   int64_t stride;
-  VecF at(int64_t row, int64_t col) const { return VecF::load(p + row * stride + col); }
+  [[gnu::always_inline]] VecF at(int64_t row, int64_t col) const { return VecF::load(p + row * stride + col); }
   float elem(int64_t row, int64_t col) const { return to_float(p[row * stride + col]); }
 };
 // The rows of a paired bfloat16 tile (kernels/cache.hpp: rows 2r and 2r + 1 interleaved in pair row
@@ -105,7 +97,7 @@ struct HalfRows {
   using Elem = bf16;
   const bf16x2* p;
   int64_t stride, row0;
-  VecF at(int64_t row, int64_t col) const {
+  [[gnu::always_inline]] VecF at(int64_t row, int64_t col) const {
     const int64_t r = row0 + row;
     return VecF::widen_half(p + (r >> 1) * stride + col, static_cast<int>(r & 1));
   }
@@ -132,7 +124,7 @@ struct MaskedPairs {
   using Elem = bf16x2;
   const bf16x2* p;
   int64_t stride, lo, hi;
-  VecF at(int64_t row, int64_t col) const {
+  [[gnu::always_inline]] VecF at(int64_t row, int64_t col) const {
     const VecF x = VecF::load(p + row * stride + col);
     const int64_t r = 2 * row;
     if (r >= lo && r + 1 <= hi) return x;
@@ -146,9 +138,9 @@ struct MaskedPairs {
 // stored transposed: each score is one FMA chain over e = 0..d-1 from zero, so its bits do not
 // depend on the blocking, the tile or the path (decode or prefill). With bf16x2 elements the
 // keys are pairs (e, e + 1), the queries bfloat16 pairs and d counts pairs: one vdpbf16ps chain.
-template <typename Src, int QB, int KB, bool Paced>
+template <typename Src, int QB, int KB>
 inline void scores_micro(const AOf<typename Src::Elem>* const* qs, const Src& kt, int64_t bs, int64_t d, int64_t c,
-                         float* s, LineQueue* pf) {
+                         float* s) {
   VecF acc[QB][KB];
   for (int i = 0; i < QB; ++i)
     for (int j = 0; j < KB; ++j) acc[i][j] = VecF::zero();
@@ -159,55 +151,58 @@ inline void scores_micro(const AOf<typename Src::Elem>* const* qs, const Src& kt
       const VecF qe = VecF::set1(qs[i][e]);
       for (int j = 0; j < KB; ++j) acc[i][j] = Madd<typename Src::Elem>::apply(qe, k[j], acc[i][j]);
     }
-    if constexpr (Paced) pf->issue(kQueuedLinesPerStep);
   }
   for (int i = 0; i < QB; ++i)
     for (int j = 0; j < KB; ++j) acc[i][j].store(s + i * bs + (c + j) * VecF::N);
 }
 
 // scores_micro for qb <= QB query vectors and kb <= KB key vectors.
-template <typename Src, int QB, int KB, bool Paced>
+template <typename Src, int QB, int KB>
 inline void scores_tile(int qb, int kb, const AOf<typename Src::Elem>* const* qs, const Src& kt, int64_t bs, int64_t d,
-                        int64_t c, float* s, LineQueue* pf) {
+                        int64_t c, float* s) {
   if constexpr (QB > 1) {
-    if (qb < QB) return scores_tile<Src, QB - 1, KB, Paced>(qb, kb, qs, kt, bs, d, c, s, pf);
+    if (qb < QB) return scores_tile<Src, QB - 1, KB>(qb, kb, qs, kt, bs, d, c, s);
   }
   if constexpr (KB > 1) {
-    if (kb < KB) return scores_tile<Src, QB, KB - 1, Paced>(qb, kb, qs, kt, bs, d, c, s, pf);
+    if (kb < KB) return scores_tile<Src, QB, KB - 1>(qb, kb, qs, kt, bs, d, c, s);
   }
-  scores_micro<Src, QB, KB, Paced>(qs, kt, bs, d, c, s, pf);
+  scores_micro<Src, QB, KB>(qs, kt, bs, d, c, s);
 }
 
 // block_scores in QB x KB micro-kernels.
-template <typename Src, int QB, int KB, bool Paced>
+template <typename Src, int QB, int KB>
 inline void scores_blocked(const AOf<typename Src::Elem>* const* qs, int64_t nq, const Src& kt, int64_t bs, int64_t d,
-                           int64_t c_lo, int64_t c_hi, float* s, LineQueue* pf) {
+                           int64_t c_lo, int64_t c_hi, float* s) {
   // key vectors outer: their d x KB slab stays in L1 while every query vector passes over it
   for (int64_t c = c_lo; c <= c_hi; c += KB) {
     const int kb = static_cast<int>(std::min<int64_t>(KB, c_hi - c + 1));
     for (int64_t i = 0; i < nq; i += QB) {
       const int qb = static_cast<int>(std::min<int64_t>(QB, nq - i));
-      scores_tile<Src, QB, KB, Paced>(qb, kb, qs + i, kt, bs, d, c, s + i * bs, pf);
+      scores_tile<Src, QB, KB>(qb, kb, qs + i, kt, bs, d, c, s + i * bs);
     }
   }
 }
 
+// Whether a block of this many (row, head) pairs is a decode's few, one micro-kernel's worth: bound
+// by its reads of the cache, where more rows are bound by their arithmetic.
+inline bool few_rows(int64_t n_rows) { return n_rows <= kScoreQB; }
+
 // s[i * bs + j] = q_i . k_j for the nq query vectors and the key vectors [c_lo, c_hi] of a block;
-// a paced block (pf: decode) in decode's blocking.
+// a decode's few rows in decode's blocking.
 template <typename Src>
 inline void block_scores(const AOf<typename Src::Elem>* const* qs, int64_t nq, const Src& kt, int64_t bs, int64_t d,
-                         int64_t c_lo, int64_t c_hi, float* s, LineQueue* pf = nullptr) {
-  if (pf != nullptr) return scores_blocked<Src, kDecodeQB, kDecodeKB, true>(qs, nq, kt, bs, d, c_lo, c_hi, s, pf);
-  scores_blocked<Src, kScoreQB, kScoreKB, false>(qs, nq, kt, bs, d, c_lo, c_hi, s, pf);
+                         int64_t c_lo, int64_t c_hi, float* s) {
+  if (few_rows(nq)) return scores_blocked<Src, kDecodeQB, kDecodeKB>(qs, nq, kt, bs, d, c_lo, c_hi, s);
+  scores_blocked<Src, kScoreQB, kScoreKB>(qs, nq, kt, bs, d, c_lo, c_hi, s);
 }
 
 // acc_i[e0, e0 + V * N) += sum_j p_i[j] * v[j, e0:] for R rows (accumulators acc + i * d,
 // probabilities p + i * ps): one FMA chain per element in key order, every value vector loaded
 // (and widened) once for the R rows. With bf16x2 elements, j counts pairs of keys (j, j + 1): v
 // gives their values' pairs, p holds the probabilities' bfloat16 pairs, one vdpbf16ps chain.
-template <typename Src, int R, int V, bool Paced>
+template <typename Src, int R, int V>
 inline void values_micro(float* acc, const AOf<typename Src::Elem>* p, int64_t ps, const Src& v, int64_t n, int64_t d,
-                         int64_t e0, LineQueue* pf) {
+                         int64_t e0) {
   VecF r[R][V];
   for (int i = 0; i < R; ++i)
     for (int k = 0; k < V; ++k) r[i][k] = VecF::load(acc + i * d + e0 + k * VecF::N);
@@ -218,37 +213,34 @@ inline void values_micro(float* acc, const AOf<typename Src::Elem>* p, int64_t p
       const VecF pj = VecF::set1(p[i * ps + j]);
       for (int k = 0; k < V; ++k) r[i][k] = Madd<typename Src::Elem>::apply(pj, x[k], r[i][k]);
     }
-    if constexpr (Paced) pf->issue(kQueuedLinesPerStep);
   }
   for (int i = 0; i < R; ++i)
     for (int k = 0; k < V; ++k) r[i][k].store(acc + i * d + e0 + k * VecF::N);
 }
 
-template <typename Src, int R, int V, bool Paced>
+template <typename Src, int R, int V>
 inline void values_tile(int rr, int vv, float* acc, const AOf<typename Src::Elem>* p, int64_t ps, const Src& v,
-                        int64_t n, int64_t d, int64_t e0, LineQueue* pf) {
+                        int64_t n, int64_t d, int64_t e0) {
   if constexpr (R > 1) {
-    if (rr < R) return values_tile<Src, R - 1, V, Paced>(rr, vv, acc, p, ps, v, n, d, e0, pf);
+    if (rr < R) return values_tile<Src, R - 1, V>(rr, vv, acc, p, ps, v, n, d, e0);
   }
   if constexpr (V > 1) {
-    if (vv < V) return values_tile<Src, R, V - 1, Paced>(rr, vv, acc, p, ps, v, n, d, e0, pf);
+    if (vv < V) return values_tile<Src, R, V - 1>(rr, vv, acc, p, ps, v, n, d, e0);
   }
-  values_micro<Src, R, V, Paced>(acc, p, ps, v, n, d, e0, pf);
+  values_micro<Src, R, V>(acc, p, ps, v, n, d, e0);
 }
 
 // acc_i[0:d] += sum_j p_i[j] * v[j, 0:d] for the rows i < rows (acc + i * d, p + i * ps) over
 // the n keys of v: the same chains whatever the number of rows taken together.
 template <typename Src>
 inline void accumulate_values(float* acc, const AOf<typename Src::Elem>* p, int64_t ps, int64_t rows, const Src& v,
-                              int64_t n, int64_t d, LineQueue* pf = nullptr) {
+                              int64_t n, int64_t d) {
   const int64_t nvec = d / VecF::N;
   for (int64_t i = 0; i < rows; i += kValueR)
     for (int64_t c = 0; c < nvec; c += kValueV) {
       const int rr = static_cast<int>(std::min<int64_t>(kValueR, rows - i));
       const int vv = static_cast<int>(std::min<int64_t>(kValueV, nvec - c));
-      float* const a = acc + i * d;
-      if (pf != nullptr) values_tile<Src, kValueR, kValueV, true>(rr, vv, a, p + i * ps, ps, v, n, d, c * VecF::N, pf);
-      else values_tile<Src, kValueR, kValueV, false>(rr, vv, a, p + i * ps, ps, v, n, d, c * VecF::N, pf);
+      values_tile<Src, kValueR, kValueV>(rr, vv, acc + i * d, p + i * ps, ps, v, n, d, c * VecF::N);
     }
   if constexpr (!std::is_same_v<typename Src::Elem, bf16x2>) {  // (the pair path runs only when N divides d)
     for (int64_t e = nvec * VecF::N; e < d; ++e)
@@ -417,7 +409,6 @@ struct TileScratch {
   bf16* pb;
   const float** qptr;    // [rows][group] the tile's query vectors
   const bf16x2** qpair;  // the same, rounded to bfloat16 pairs (qb)
-  LineQueue* queue;      // the next block's cache lines, issued from the micro-kernels' loops
   int* tiles;            // the rows the AMX tiles are configured for (0: not configured)
 
   // Each part on a cache line of its own (LineVector, sizes rounded up to whole lines): the AMX
@@ -427,7 +418,6 @@ struct TileScratch {
     static thread_local LineVector<float> scratch;
     static thread_local std::vector<const float*> qptr;
     static thread_local std::vector<const bf16x2*> qpair;
-    static thread_local LineQueue queue;
     static thread_local int tiles = 0;
     const int64_t tile = kQTile * group;
     auto lines = [](int64_t floats) { return (floats + 15) / 16 * 16; };
@@ -451,7 +441,6 @@ struct TileScratch {
     t.pb = reinterpret_cast<bf16*>(part[7]);
     t.qptr = qptr.data();
     t.qpair = qpair.data();
-    t.queue = &queue;
     t.tiles = &tiles;
     return t;
   }
@@ -525,21 +514,13 @@ inline void softmax_rows16(const AttnShape& s, const TileScratch& t, const Block
 #endif
 }
 
-// Whether a block of this many (row, head) pairs issues the next block's prefetches a few lines
-// per micro-kernel step (from TileScratch's queue) rather than all at once before it starts: a
-// decode's few rows, one micro-kernel's worth, wait on their cache reads, and a burst stalls them;
-// more rows are bound by their arithmetic, where even an inlined check per step costs (a
-// 2,048-token prefill's attention 13.7 -> 14.2 ms a layer).
-inline bool paced(int64_t n_rows) { return n_rows <= kScoreQB; }
-
 // One block of a work item on the FMA path: the scores, each (row, head)'s online softmax step,
 // then the values, for all rows and heads at once when every row sees the whole block (the same
 // chains as row by row).
 template <typename E>
 inline void attend_block(const AttnShape s, const TileScratch& t, const BlockView b, const E* kt, const E* vt) {
   const int64_t d = s.d, bs = s.bs, n_rows = b.rows * b.ng;
-  LineQueue* const q = paced(n_rows) ? t.queue : nullptr;
-  block_scores(t.qptr, n_rows, TileRows<E>::keys(kt, bs), bs, d, b.c_lo, b.c_hi, t.sblk, q);
+  block_scores(t.qptr, n_rows, TileRows<E>::keys(kt, bs), bs, d, b.c_lo, b.c_hi, t.sblk);
   if constexpr (kBlockSoftmax) {
     for (int64_t m0 = 0; m0 < n_rows; m0 += 16) {
       int64_t lo[16], hi[16];
@@ -554,10 +535,9 @@ inline void attend_block(const AttnShape s, const TileScratch& t, const BlockVie
       for (int64_t i = r * b.ng; i < (r + 1) * b.ng; ++i)
         online_softmax(t.sblk + i * bs + k_lo, n, s.scale, s.softcap, t.m + i, t.l + i, t.acc + i * d, d);
     if (!b.whole)
-      accumulate_values(t.acc + r * b.ng * d, t.sblk + r * b.ng * bs + k_lo, bs, b.ng, TileRows<E>::values(vt, d, k_lo), n, d,
-                        q);
+      accumulate_values(t.acc + r * b.ng * d, t.sblk + r * b.ng * bs + k_lo, bs, b.ng, TileRows<E>::values(vt, d, k_lo), n, d);
   }
-  if (b.whole) accumulate_values(t.acc, t.sblk, bs, n_rows, TileRows<E>::values(vt, d, 0), bs, d, q);
+  if (b.whole) accumulate_values(t.acc, t.sblk, bs, n_rows, TileRows<E>::values(vt, d, 0), bs, d);
 }
 
 #ifdef __AVX512BF16__
@@ -573,8 +553,7 @@ inline void attend_block_pairs(const AttnShape s, const TileScratch& t, const Bl
   const int64_t d = s.d, bs = s.bs, d2 = d / 2, b2 = bs / 2, n_rows = b.rows * b.ng;
   const bf16x2* vp = pairs_of(vt);
   const bf16x2* pp = reinterpret_cast<const bf16x2*>(t.pb);  // [rows][group][bs / 2]
-  LineQueue* const q = paced(n_rows) ? t.queue : nullptr;
-  block_scores(t.qpair, n_rows, Rows<bf16x2>{pairs_of(kt), bs}, bs, d2, b.c_lo, b.c_hi, t.sblk, q);
+  block_scores(t.qpair, n_rows, Rows<bf16x2>{pairs_of(kt), bs}, bs, d2, b.c_lo, b.c_hi, t.sblk);
   for (int64_t m0 = 0; m0 < n_rows; m0 += 16) {
     const int mr = static_cast<int>(std::min<int64_t>(16, n_rows - m0));
     int64_t lo[16], hi[16];
@@ -586,13 +565,13 @@ inline void attend_block_pairs(const AttnShape s, const TileScratch& t, const Bl
       if (hi[r] % 2 == 0) p[hi[r] + 1] = bf16{0};
     }
   }
-  if (b.whole) return accumulate_values(t.acc, pp, b2, n_rows, Rows<bf16x2>{vp, d}, b2, d, q);
+  if (b.whole) return accumulate_values(t.acc, pp, b2, n_rows, Rows<bf16x2>{vp, d}, b2, d);
   for (int64_t r = 0; r < b.rows; ++r) {
     const auto [k_lo, k_hi] = b.row_keys(r, s);
     if (k_lo > k_hi) continue;
     const int64_t j0 = k_lo / 2, nj = k_hi / 2 - k_lo / 2 + 1;
     const MaskedPairs v{vp + j0 * d, d, b.blk_lo - 2 * j0, b.blk_hi - 2 * j0};
-    accumulate_values(t.acc + r * b.ng * d, pp + r * b.ng * b2 + j0, b2, b.ng, v, nj, d, q);
+    accumulate_values(t.acc + r * b.ng * d, pp + r * b.ng * b2 + j0, b2, b.ng, v, nj, d);
   }
 }
 
@@ -835,49 +814,65 @@ inline int64_t tile_offset(const AttnArgs<T>& a, const AttnItem& w, int64_t blk)
   return (static_cast<int64_t>(a.block_tables[w.seq * a.max_blocks + blk]) * a.hk + w.kv_head) * a.bs * a.d;
 }
 
-// Queues the lines of block blk's key and value tiles that an item reading keys up to last_pos
-// reads (keys are stored transposed: a partly filled block's keys are the first n of each row).
-// Blocks sit anywhere in the cache, so the hardware prefetchers, which follow streams within a
-// page, cannot fetch the next one ahead; a decode item is bound by these reads.
+// Fetches into L2 at once the lines of block blk's key and value tiles that an item reading keys
+// up to last_pos reads (keys are stored transposed: a partly filled block's keys are the first n
+// of each row). Blocks sit anywhere in the cache, so the hardware prefetchers, which follow streams
+// within a page, cannot fetch the next one ahead.
 template <typename T>
-inline void queue_block(const AttnArgs<T>& a, const AttnItem& w, int64_t blk, int64_t last_pos, LineQueue& q) {
+inline void fetch_block(const AttnArgs<T>& a, const AttnItem& w, int64_t blk, int64_t last_pos) {
   const int64_t tile = tile_offset(a, w, blk);
   const int64_t n = std::min<int64_t>(a.bs, last_pos + 1 - blk * a.bs), sz = sizeof(T);
-  auto lines = [](int64_t bytes) { return (bytes + 63) / 64; };
   const int64_t per = kPairedCache<T> ? 2 : 1;  // a paired tile: d / 2 rows of pairs, keys in pairs
-  if (n == a.bs) q.push(a.k_cache + tile, 0, lines(a.d * a.bs * sz), 1);
-  else q.push(a.k_cache + tile, per * a.bs * sz, lines(per * n * sz), a.d / per);
-  q.push(a.v_cache + tile, 0, lines((n + per - 1) / per * per * a.d * sz), 1);
+  const int64_t rows = n == a.bs ? 1 : a.d / per, row_bytes = n == a.bs ? a.d * a.bs * sz : per * n * sz;
+  const char* k = reinterpret_cast<const char*>(a.k_cache + tile);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < row_bytes; b += 64) prefetch_l2(k + r * per * a.bs * sz + b);
+  const char* v = reinterpret_cast<const char*>(a.v_cache + tile);
+  for (int64_t b = 0; b < (n + per - 1) / per * per * a.d * sz; b += 64) prefetch_l2(v + b);
 }
 
-// Queues the block a thread reads after block blk of item w: w's next one, or the first of `next`.
+// Fetches the block a thread reads after block blk of item w: w's next one, or the first of `next`.
 template <typename T>
-inline void queue_after(const AttnArgs<T>& a, const AttnItem& w, const ItemSpan& sp, int64_t blk,
-                        const AttnItem* next, LineQueue& q) {
-  if ((blk + 1) * a.bs <= sp.last_pos) return queue_block(a, w, blk + 1, sp.last_pos, q);
+inline void fetch_after(const AttnArgs<T>& a, const AttnItem& w, const ItemSpan& sp, int64_t blk, const AttnItem* next) {
+  if ((blk + 1) * a.bs <= sp.last_pos) return fetch_block(a, w, blk + 1, sp.last_pos);
   if (next == nullptr) return;
   const ItemSpan nx = ItemSpan::of(a, *next);
-  queue_block(a, *next, nx.first_blk, nx.last_pos, q);
+  fetch_block(a, *next, nx.first_blk, nx.last_pos);
 }
 
+// Whether an item of n_rows (row, head) pairs on `path` fetches the block it reads next at once
+// before each block (fetch_after), a decode's also the first block of the item its thread takes
+// next (an item claimed ahead: claims_ahead), or leaves the reads to the hardware's prefetchers.
+// Each tile is read in order within its pages, row after row (kDecodeKB), so they follow it.
+// - Decode items on the vector paths: no. Paced a few lines per micro-kernel step, the fetches
+//   made decode attention slower where the cache came from memory and from the L3 alike (AMD EPYC
+//   Zen 5, 2 threads, 30 layers' caches in turn, old and new in one binary taking turns, medians
+//   of 9; blocks shuffled): 64 sequences of 200 tokens bfloat16 0.86-0.87x the time, float32
+//   0.86-0.89x, 4 of 1,000 0.83-0.89x, 1 of 1,000 0.83-0.85x, 16 of 400 0.82-0.85x; one layer's
+//   cache (in the L3) 0.75x.
+// - Prefill items on the vector paths: blocks of up to 32 KB (bfloat16, float8) yes, float32's 64
+//   KB no: 2,048 tokens float32 0.92-0.95x the time without, 6,144 0.93x; bfloat16 0.99-1.01x
+//   at 2,048 and 4,096 tokens, 1.00-1.06x at 6,144 (kept).
+// - AMX tiles read a block in a few instructions, strided: decode items (up to one tile of rows)
+//   yes, prefill items no (a 2,048-token prefill's attention 0.95x the time without, 6,144
+//   tokens 0.84-0.92x).
+template <typename T>
+inline bool fetches_ahead(const AttnArgs<T>& a, AttnPath path, int64_t n_rows) {
+  if (path == AttnPath::amx) return n_rows <= 16;
+  return !few_rows(n_rows) && 2 * a.d * a.bs * static_cast<int64_t>(sizeof(T)) <= 32768;
+}
+inline bool claims_ahead(AttnPath path, int64_t n_rows) { return path == AttnPath::amx && few_rows(n_rows); }
+
 // One work item: its rows and heads through the sequence's blocks in order, the block after each
-// (this item's next, or the first of `next`, the item this thread takes next) queued for prefetch.
+// fetched where fetches_ahead says (`next`: the item this thread takes next, if claimed).
 template <typename T>
 inline void attend_item(const AttnArgs<T>& a, const AttnItem& w, const AttnItem* next, const TileScratch& t,
                         AttnPath path) {
   const ItemSpan sp = ItemSpan::of(a, w);
-  // (tiles read a block in a few instructions: its lines are fetched before it starts)
-  const bool pace = paced(w.rows * (w.g1 - w.g0)) && path != AttnPath::amx;
-  // A prefill chunk's item on tiles (more than one tile of rows) works on a block long enough for
-  // the hardware's prefetchers, and the next block's 512 lines requested at once got in its way:
-  // without them a 2,048-token prefill's attention took 0.95x the time, a 6,144-token one's
-  // 0.84-0.92x (its cache past the L2; old and new in one binary, taking turns). Decode items
-  // (a few rows: bound by their reads) keep the prefetch.
-  const bool fetch_ahead = path != AttnPath::amx || w.rows * (w.g1 - w.g0) <= 16;
+  const bool fetch = fetches_ahead(a, path, w.rows * (w.g1 - w.g0));
   start_tile(a, w, t, path);
   for (int64_t blk = sp.first_blk; blk * a.bs <= sp.last_pos; ++blk) {
-    if (fetch_ahead) queue_after(a, w, sp, blk, next, *t.queue);
-    if (!pace) t.queue->drain();
+    if (fetch) fetch_after(a, w, sp, blk, next);
     const BlockView b = BlockView::at(w.rows, w.g1 - w.g0, sp.first_pos, blk * a.bs, a);
     attend_tile_block(a, t, b, tile_offset(a, w, blk), path);
   }
@@ -902,10 +897,9 @@ void paged_attention_t(const AttnArgs<T>& a) {
   const int64_t n_items = static_cast<int64_t>(items.size());
   const AttnItem* item_ptr = items.data();
   // Items are taken one at a time (their costs differ with their contexts). A thread claims its
-  // next item before it starts a decode item, so that it can prefetch that item's first block; a
-  // prefill's items, bound by arithmetic and costlier towards the end, are claimed only when
-  // their turn comes (held ones left a thread idle at the end: a 2,048-token prefill's attention
-  // +4%).
+  // next item before it starts a decode item on tiles, so that it can fetch that item's first
+  // block; other items are claimed only when their turn comes (a prefill's held ones left a thread
+  // idle at its costliest end: a 2,048-token prefill's attention +4%).
   std::atomic<int64_t> claimed{0};
 #pragma omp parallel
   {
@@ -913,11 +907,10 @@ void paged_attention_t(const AttnArgs<T>& a) {
     auto claim = [&] { return claimed.fetch_add(1, std::memory_order_relaxed); };
     for (int64_t it = claim(); it < n_items;) {
       const AttnItem& w = item_ptr[it];
-      const int64_t nx = paced(w.rows * (w.g1 - w.g0)) ? claim() : -1;
+      const int64_t nx = claims_ahead(path, w.rows * (w.g1 - w.g0)) ? claim() : -1;
       attend_item(a, w, nx >= 0 && nx < n_items ? item_ptr + nx : nullptr, t, path);
       it = nx >= 0 ? nx : claim();
     }
-    t.queue->clear();  // lines left are of blocks already read
 #ifdef __AMX_BF16__
     if (*t.tiles) {  // configured by the call's first block on tiles, released after its last
       _tile_release();

@@ -50,53 +50,5 @@ struct Prefetch {
   }
 };
 
-// Cache lines queued for prefetch and issued a few at a time from a kernel's inner loops, so
-// that the fetches overlap its arithmetic: a burst of a whole tile's prefetches fills the load
-// queue and stalls the core until the lines arrive.
-class LineQueue {
- public:
-  // `rows` runs of `lines` cache lines each, the runs `stride` bytes apart, from p
-  void push(const void* p, int64_t stride, int64_t lines, int64_t rows) {
-    if (lines <= 0 || rows <= 0) return;
-    if (n_ == kMax) drain();
-    runs_[n_++] = {static_cast<const char*>(p), stride, lines, rows, 0, 0};
-  }
-  // the next k queued lines (fewer where fewer are left), oldest run first, to fetch(line)
-  template <typename Fetch>
-  [[gnu::always_inline]] void issue(int k, Fetch&& fetch) {
-    for (; k > 0 && head_ < n_; --k) {
-      Run& r = runs_[head_];
-      fetch(r.p + r.row * r.stride + r.line * 64);
-      if (++r.line == r.lines) {
-        r.line = 0;
-        if (++r.row == r.rows) ++head_;
-      }
-    }
-    if (head_ == n_) head_ = n_ = 0;
-  }
-  [[gnu::always_inline]] void issue(int k) {
-    issue(k, [](const char* line) { prefetch_l2(line); });
-  }
-  // every queued line at once (also when a ninth run is pushed)
-  void drain() {
-    for (; head_ < n_; ++head_) {
-      const Run& r = runs_[head_];
-      for (int64_t row = r.row, line = r.line; row < r.rows; ++row, line = 0)
-        for (const char* p = r.p + row * r.stride; line < r.lines; ++line) prefetch_l2(p + line * 64);
-    }
-    head_ = n_ = 0;
-  }
-  void clear() { head_ = n_ = 0; }
-
- private:
-  struct Run {
-    const char* p;
-    int64_t stride, lines, rows, row, line;
-  };
-  static constexpr int kMax = 8;
-  Run runs_[kMax];
-  int n_ = 0, head_ = 0;
-};
-
 }  // namespace
 }  // namespace cpuserve

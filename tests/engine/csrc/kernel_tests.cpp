@@ -320,31 +320,6 @@ TEST_P(VectorVsScalar, ReshapeAndCache) {
   }
 }
 
-// The queue hands out every pushed line once, in push order, k at a time, and starts empty again.
-TEST(LineQueue, IssuesEveryLineOnceInOrder) {
-  alignas(64) static char mem[64 * 64];
-  cpuserve::LineQueue q;
-  q.push(mem, 0, 3, 1);         // lines 0, 1, 2
-  q.push(mem + 640, 256, 2, 3);  // rows 256 bytes apart: lines 10, 11, 14, 15, 18, 19
-  q.push(mem, 0, 0, 5);          // nothing
-  std::vector<long> seen;
-  auto record = [&](const char* p) { seen.push_back((p - mem) / 64); };
-  q.issue(4, record);
-  EXPECT_EQ(seen, (std::vector<long>{0, 1, 2, 10}));
-  q.issue(100, record);
-  EXPECT_EQ(seen, (std::vector<long>{0, 1, 2, 10, 11, 14, 15, 18, 19}));
-  q.issue(5, record);  // empty: nothing more
-  EXPECT_EQ(seen.size(), 9u);
-  for (int i = 0; i < 9; ++i) q.push(mem + 64 * i, 0, 1, 1);  // the ninth push drains the first eight
-  seen.clear();
-  q.issue(100, record);
-  EXPECT_EQ(seen, (std::vector<long>{8}));
-  q.push(mem, 0, 4, 1);  // cleared: nothing left to issue
-  q.clear();
-  q.issue(100, record);
-  EXPECT_EQ(seen.size(), 1u);
-}
-
 // Self-balancing shares (shares.hpp): every item runs exactly once, in chunks of at most `chunk`
 // contiguous items; a slow thread's share is finished by the others; a team smaller than planned
 // (one thread) takes its own share from the front, then the others' from their backs.

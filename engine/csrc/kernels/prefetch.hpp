@@ -3,8 +3,8 @@
 // tile over a chunk found it in DRAM and waited: the hardware prefetchers follow that tile's
 // reads too closely to hide the latency. Fetching the next chunk into L2 while this one's row
 // tiles run hides it (decode, where each byte is used once, is left to the hardware).
-// LineQueue does the same for the paged attention's next cache block, whose address no hardware
-// prefetcher can guess.
+// The paged attention fetches some items' next cache block the same way (attention.hpp,
+// fetches_ahead), an address no hardware prefetcher can guess.
 //
 // Every prefetch here goes to L2 (prefetcht1), not L1: what is fetched ahead is a whole block or
 // chunk (a float32 attention block: 64 KB of keys and values), more than L1 holds, so into L1 it

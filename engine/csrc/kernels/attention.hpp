@@ -68,9 +68,10 @@ inline void convert_to_float(float* dst, const T* src, int64_t n, float scale) {
 // key vectors, value accumulators of R rows x V vectors.
 constexpr int kScoreQB = VecF::kRegs >= 32 ? 6 : 4;
 constexpr int kScoreKB = VecF::kRegs >= 32 ? 4 : 2;
-// Decode (a block of few rows, few_rows) blocks the scores as kDecodeQB x kDecodeKB instead: with 32 vector registers, 8 key vectors are a float32 block's whole row of
-// 128 keys, so the transposed key tile is read row after row, one sequential stream that the
-// hardware prefetchers follow, where 4 took every other half row (a 512-byte stride). AMD EPYC
+// Decode (a block of few rows, few_rows) blocks the scores as kDecodeQB x kDecodeKB instead: with
+// 32 vector registers, 8 key vectors are a float32 block's whole row of 128 keys, so the
+// transposed key tile is read row after row, one sequential stream that the hardware prefetchers
+// follow, where 4 took every other half row (a 512-byte stride). AMD EPYC
 // Zen 4, two threads, 200 tokens of context, 30 layers' caches from memory, the builds taking
 // turns: float32 16 sequences 350-403 -> 269-272 us a layer, 64 sequences 1,375-1,399 -> 966-977;
 // bfloat16 16 sequences 215-230 -> 191-210. Prefill keeps 6 x 4 (3 x 8 made a 2,048-token
@@ -535,7 +536,8 @@ inline void attend_block(const AttnShape s, const TileScratch& t, const BlockVie
       for (int64_t i = r * b.ng; i < (r + 1) * b.ng; ++i)
         online_softmax(t.sblk + i * bs + k_lo, n, s.scale, s.softcap, t.m + i, t.l + i, t.acc + i * d, d);
     if (!b.whole)
-      accumulate_values(t.acc + r * b.ng * d, t.sblk + r * b.ng * bs + k_lo, bs, b.ng, TileRows<E>::values(vt, d, k_lo), n, d);
+      accumulate_values(t.acc + r * b.ng * d, t.sblk + r * b.ng * bs + k_lo, bs, b.ng, TileRows<E>::values(vt, d, k_lo),
+                        n, d);
   }
   if (b.whole) accumulate_values(t.acc, t.sblk, bs, n_rows, TileRows<E>::values(vt, d, 0), bs, d);
 }
@@ -833,7 +835,8 @@ inline void fetch_block(const AttnArgs<T>& a, const AttnItem& w, int64_t blk, in
 
 // Fetches the block a thread reads after block blk of item w: w's next one, or the first of `next`.
 template <typename T>
-inline void fetch_after(const AttnArgs<T>& a, const AttnItem& w, const ItemSpan& sp, int64_t blk, const AttnItem* next) {
+inline void fetch_after(const AttnArgs<T>& a, const AttnItem& w, const ItemSpan& sp, int64_t blk,
+                        const AttnItem* next) {
   if ((blk + 1) * a.bs <= sp.last_pos) return fetch_block(a, w, blk + 1, sp.last_pos);
   if (next == nullptr) return;
   const ItemSpan nx = ItemSpan::of(a, *next);
@@ -849,13 +852,14 @@ inline void fetch_after(const AttnArgs<T>& a, const AttnItem& w, const ItemSpan&
 //   Zen 5, 2 threads, 30 layers' caches in turn, old and new in one binary taking turns, medians
 //   of 9; blocks shuffled): 64 sequences of 200 tokens bfloat16 0.86-0.87x the time, float32
 //   0.86-0.89x, 4 of 1,000 0.83-0.89x, 1 of 1,000 0.83-0.85x, 16 of 400 0.82-0.85x; one layer's
-//   cache (in the L3) 0.75x.
+//   cache (in the L3) 0.75x. One line of each 4 KB page of the next block at once (its page's
+//   translation and stream started) was level with none (0.95-1.03x, three quiet runs).
 // - Prefill items on the vector paths: blocks of up to 32 KB (bfloat16, float8) yes, float32's 64
 //   KB no: 2,048 tokens float32 0.92-0.95x the time without, 6,144 0.93x; bfloat16 0.99-1.01x
 //   at 2,048 and 4,096 tokens, 1.00-1.06x at 6,144 (kept).
 // - AMX tiles read a block in a few instructions, strided: decode items (up to one tile of rows)
-//   yes, prefill items no (a 2,048-token prefill's attention 0.95x the time without, 6,144
-//   tokens 0.84-0.92x).
+//   yes (as before; not measured again, the Zen 5 VM has no AMX), prefill items no (a 2,048-token
+//   prefill's attention 0.95x the time without, 6,144 tokens 0.84-0.92x).
 template <typename T>
 inline bool fetches_ahead(const AttnArgs<T>& a, AttnPath path, int64_t n_rows) {
   if (path == AttnPath::amx) return n_rows <= 16;

@@ -64,26 +64,73 @@ void i8pack_impl(uint8_t* dst, const int8_t* w, const float* scale, int64_t n, i
     }
 }
 
-// One row of activations -> int8 codes in [-127, 127] (padded with zeros to kpad), scale, zero.
-//   symmetric:  s = max|x| / 127, q = rne(x / s), z = 0
-//   asymmetric: s = (max x - min x) / 254, z = rne(-127 - min x / s), q = clamp(rne(x / s) + z)
-// A constant row that would give s = 0 uses s = 1.
-inline void i8_quant_row(const float* x, int64_t k, int64_t kp, int8_t* q, float& s, int32_t& z, bool asym) {
-  float lo = 0.f, hi = 0.f, amax = 0.f;
-  if (asym) {
-    lo = hi = k > 0 ? x[0] : 0.f;
-    for (int64_t i = 0; i < k; ++i) { lo = std::min(lo, x[i]); hi = std::max(hi, x[i]); }
-    s = (hi - lo) / 254.f;
-  } else {
-    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
-    s = amax / 127.f;
+// The least and greatest of x[0, k) (k > 0), folded from x[0] as std::min / std::max fold them: a
+// NaN after x[0] is passed over (so does vminps / vmaxps, which return their second operand on one).
+inline void i8_min_max(const float* x, int64_t k, float& lo, float& hi) {
+  lo = hi = x[0];
+  int64_t i = 0;
+#ifdef __AVX512F__
+  __m512 vlo = _mm512_set1_ps(lo), vhi = vlo;
+  for (; i + 16 <= k; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    vlo = _mm512_min_ps(v, vlo);
+    vhi = _mm512_max_ps(v, vhi);
   }
-  if (!(s > 0.f)) s = 1.f;
-  z = asym ? static_cast<int32_t>(std::nearbyint(-127.f - lo / s)) : 0;
-  for (int64_t i = 0; i < k; ++i) {
+  lo = _mm512_reduce_min_ps(vlo), hi = _mm512_reduce_max_ps(vhi);
+#endif
+  for (; i < k; ++i) lo = std::min(lo, x[i]), hi = std::max(hi, x[i]);
+}
+
+// The greatest |x[i]| of x[0, k), from 0 (NaN passed over, as in i8_min_max).
+inline float i8_abs_max(const float* x, int64_t k) {
+  float amax = 0.f;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  __m512 va = _mm512_setzero_ps();
+  for (; i + 16 <= k; i += 16) va = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), va);
+  amax = _mm512_reduce_max_ps(va);
+#endif
+  for (; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
+  return amax;
+}
+
+// q[i] = clamp(rne(x[i] / s) + z, -127, 127) for i < k (a NaN: -127, as std::max(-127.f, NaN) gives).
+// The vector path divides, rounds and clamps as the scalar one does: the same codes.
+inline void i8_codes(const float* x, int64_t k, float s, int32_t z, int8_t* q) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(static_cast<float>(z));
+  const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (; i + 16 <= k; i += 16) {
+    const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), vs),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 v = _mm512_min_ps(hi, _mm512_max_ps(_mm512_add_ps(r, vz), lo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+  }
+#endif
+  for (; i < k; ++i) {
     const float v = std::nearbyint(x[i] / s) + static_cast<float>(z);
     q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
   }
+}
+
+// One row of activations -> int8 codes in [-127, 127] (padded with zeros to kpad), scale, zero.
+//   symmetric:  s = max|x| / 127, q = rne(x / s), z = 0
+//   asymmetric: s = (max x - min x) / 254, z = rne(-127 - min x / s), q = clamp(rne(x / s) + z)
+// A constant row that would give s = 0 uses s = 1. On AVX-512 in vectors (the same codes): the
+// scalar loops, a division each, took as long as the GEMM's dot products on a batch (AMD EPYC Zen
+// 5, 2,048 x 1,536 x 576).
+inline void i8_quant_row(const float* x, int64_t k, int64_t kp, int8_t* q, float& s, int32_t& z, bool asym) {
+  float lo = 0.f, hi = 0.f;
+  if (asym) {
+    if (k > 0) i8_min_max(x, k, lo, hi);
+    s = (hi - lo) / 254.f;
+  } else {
+    s = i8_abs_max(x, k) / 127.f;
+  }
+  if (!(s > 0.f)) s = 1.f;
+  z = asym ? static_cast<int32_t>(std::nearbyint(-127.f - lo / s)) : 0;
+  i8_codes(x, k, s, z, q);
   for (int64_t i = k; i < kp; ++i) q[i] = 0;
 }
 

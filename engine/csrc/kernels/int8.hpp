@@ -243,11 +243,21 @@ inline void i8_out_row(const I8Rows& A, int64_t row, const int32_t* acc, const i
   }
 }
 
+// Whether a batch tile asks for its lines of C before its dot products (as gemm.hpp's tiles do, see
+// kFetchTileOfC there): AVX-512.
+#ifdef __AVX512F__
+constexpr bool kI8FetchTileOfC = true;
+#else
+constexpr bool kI8FetchTileOfC = false;
+#endif
+
 // Rows [r, r + mr) x panels [p, p + np) of C, from the integer sums to float.
 inline void i8_tile(const I8Rows& A, int mr, int np, int64_t r, int64_t p, const int8_t* w, const int32_t* sums,
                     const float* scales, const float* bias, float* c, int64_t n, int64_t ldc) {
   alignas(64) int32_t acc[std::max(kI8MR, 4) * kI8NR];  // (mr x np <= max(kI8MR, 4))
   const int64_t ps = A.kp * kI8NR;
+  if (np == 1 && kI8FetchTileOfC)
+    for (int i = 0; i < mr; ++i) fetch_for_write(c + (r + i) * ldc + p * kI8NR, kI8NR);
   i8_sums(A, mr, np, r, w + p * ps, ps, acc);
   const int64_t c0 = p * kI8NR, c1 = std::min(n, (p + np) * kI8NR);
   for (int i = 0; i < mr; ++i)

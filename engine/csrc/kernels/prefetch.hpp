@@ -34,6 +34,13 @@ namespace {
 // gained less or lost.
 [[gnu::always_inline]] inline void prefetch_nta(const void* p) { __builtin_prefetch(p, 0, 0); }
 
+// The lines of the n floats at p, asked for to be written (a tile of a GEMM's output before its
+// dot products, so that its stores at their end do not miss; gemm.hpp, int8.hpp).
+inline void fetch_for_write(const float* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 1, 3);
+  __builtin_prefetch(p + n - 1, 1, 3);
+}
+
 struct Prefetch {
   const char* base = nullptr;
   int64_t first = 0, count = 0;  // cache lines [first, first + count) from base

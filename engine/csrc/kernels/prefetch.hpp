@@ -35,7 +35,8 @@ namespace {
 [[gnu::always_inline]] inline void prefetch_nta(const void* p) { __builtin_prefetch(p, 0, 0); }
 
 // The lines of the n floats at p, asked for to be written (a tile of a GEMM's output before its
-// dot products, so that its stores at their end do not miss; gemm.hpp, int8.hpp).
+// dot products, so that its stores at their end do not miss: int8.hpp; gemm.hpp's micro-kernel
+// has the same loop written in itself, see kFetchTileOfC there).
 inline void fetch_for_write(const float* p, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 1, 3);
   __builtin_prefetch(p + n - 1, 1, 3);

@@ -29,7 +29,7 @@ class EngineConfig:
     model: str | None = None          # HF directory, .gguf file; None = the packaged SmolLM2
     dtype: str = "auto"               # auto | float32 | bfloat16 | float16 (weights and KV cache)
     kv_cache_dtype: str = "auto"      # auto (= dtype) | float32 | bfloat16 | float16 | fp8_e5m2 | fp8_e4m3 (fp8)
-    quantization: str | None = None   # None/auto (as the checkpoint is) | gguf | awq | gptq | none (widen to dtype)
+    quantization: str | None = None   # None/auto (as the checkpoint is) | gguf | awq | gptq | compressed-tensors | none (widen)
     quantized_activations: str = "none"  # int8: block-quantized GEMMs on int8 dot products (kernels/qdot.hpp)
     block_size: int = 128
     kv_cache_space: float | None = None   # GiB; default from VLLM_CPU_KVCACHE_SPACE, else 4
@@ -62,8 +62,9 @@ class EngineConfig:
         if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 0:
             raise ValueError("max_prefill_tokens_while_decoding must be >= 0 (0: no cap), got "
                              f"{self.max_prefill_tokens_while_decoding}")
-        if self.quantization not in (None, "auto", "gguf", "awq", "gptq", "none"):
-            raise ValueError(f"quantization must be auto, gguf, awq, gptq or none, got {self.quantization!r}")
+        if self.quantization not in (None, "auto", "gguf", "awq", "gptq", "compressed-tensors", "none"):
+            raise ValueError("quantization must be auto, gguf, awq, gptq, compressed-tensors or none, got "
+                             f"{self.quantization!r}")
         if self.quantized_activations not in ("none", "int8"):
             raise ValueError(f"quantized_activations must be none or int8, got {self.quantized_activations!r}")
         if self.kv_populate not in ("start", "idle", "off"):

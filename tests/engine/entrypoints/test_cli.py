@@ -1,7 +1,10 @@
 """`cpuserve serve`'s own options: refused as argparse refuses its own (usage, the message, exit
 status 2) before anything loads, and passed through to the server as given."""
+import argparse
+
 import pytest
 
+from cpuserve.config import EngineConfig
 from cpuserve.entrypoints import cli, serve
 
 
@@ -39,3 +42,15 @@ def test_serve_options_reach_the_server(served):
 def test_the_tool_parser_is_off_without_auto_tool_choice(served):
     assert cli.main(["serve", "--tool-call-parser", "hermes"]) == 0
     assert served[0][1].tool_call_parser is None
+
+
+def test_every_engine_choice_the_cli_offers_is_one_the_config_takes():
+    """The CLI's choices and EngineConfig's checks are written apart: `--quantization
+    compressed-tensors` was offered, then refused by the config before anything loaded."""
+    p = argparse.ArgumentParser()
+    cli.add_engine_args(p)
+    fields = EngineConfig.__dataclass_fields__
+    offered = [(a.dest, c) for a in p._actions if a.choices and a.dest in fields for c in a.choices]
+    assert ("quantization", "compressed-tensors") in offered and len(offered) > 15
+    for field, choice in offered:
+        EngineConfig(**{field: choice})

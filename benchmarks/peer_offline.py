@@ -31,10 +31,12 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 class CpuServe:
     def __init__(self, model: str, dtype: str):
         """dtype "gguf": the GGUF's blocks as they are (float32 activations; "gguf-int8": int8 dot products on
-        activations quantized per block); else every weight widened."""
+        activations quantized per block); "w8a8": an INT8 W8A8 checkpoint's int8 weights (activations quantized
+        per token), bfloat16 for the rest (the LM head, the KV cache); else every weight widened."""
         from cpuserve import LLM, SamplingParams
         gguf = dtype.startswith("gguf")
-        self.llm = LLM(model, dtype="float32" if gguf else dtype, quantization="gguf" if gguf else "none",
+        quant = "gguf" if gguf else "compressed-tensors" if dtype == "w8a8" else "none"
+        self.llm = LLM(model, dtype="float32" if gguf else "bfloat16" if dtype == "w8a8" else dtype, quantization=quant,
                        quantized_activations="int8" if dtype == "gguf-int8" else "none", kv_cache_space=4.0,
                        max_num_batched_tokens=LONG)
         self.sp = SamplingParams
@@ -46,7 +48,8 @@ class CpuServe:
 class Vllm:
     def __init__(self, model: str, dtype: str):
         from vllm import LLM, SamplingParams
-        self.llm = LLM(model=model, dtype=dtype, max_model_len=4096, max_num_batched_tokens=LONG, seed=0)
+        # "w8a8": the checkpoint's compressed-tensors int8 weights (vLLM's oneDNN W8A8), bfloat16 elsewhere
+        self.llm = LLM(model=model, dtype="bfloat16" if dtype == "w8a8" else dtype, max_model_len=4096, max_num_batched_tokens=LONG, seed=0)
         self.sp = SamplingParams
 
     def generate(self, batch: list[list[int]], tokens: int) -> None:
@@ -81,7 +84,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("engine", choices=["cpuserve", "vllm", "transformers"])
     ap.add_argument("model")
-    ap.add_argument("dtype", choices=["float32", "bfloat16", "gguf", "gguf-int8"])
+    ap.add_argument("dtype", choices=["float32", "bfloat16", "gguf", "gguf-int8", "w8a8"])
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--batch1-only", action="store_true", help="only batch1_ms (and ready_s)")
     a = ap.parse_args()

@@ -11,6 +11,9 @@ The model: the default SmolLM2-135M-Instruct. cpuserve and llama.cpp read its Q4
 Q8_0 / Q4_K_M / F32 files made from it with llama-quantize, cpuserve in their blocks ("cpuserve
 Q4_1") and widened to float32 or bfloat16 ("cpuserve float32"); vLLM and transformers read the
 same float32 weights as a Hugging Face directory (written by `cpuserve convert`-style widening).
+Both cpuserve and vLLM also read an INT8 W8A8 checkpoint made from the same weights (`cpuserve
+quantize --method w8a8`: compressed-tensors' layout, per-channel int8 weights, activations
+quantized per token at run time, bfloat16 elsewhere): the "W8A8" rows.
 
 Workloads (benchmarks/peer_offline.py for the Python engines): offline 64 x 128/128 greedy
 with EOS ignored; batch-1 decode ms/token; a 2,048-token prompt's prefill; serving at
@@ -316,6 +319,10 @@ def main() -> None:
     for dtype in ("float32", "bfloat16"):
         run("offline", f"cpuserve {dtype}", lambda: repeated(lambda: python_offline("cpuserve", dtype, gguf)))
         run("offline", f"vLLM {dtype}", lambda: repeated(lambda: python_offline("vllm", dtype, hf_dir)))
+    from cpuserve.entrypoints.quantize import default_w8a8
+    w8a8 = default_w8a8()
+    run("offline", "cpuserve W8A8", lambda: repeated(lambda: python_offline("cpuserve", "w8a8", w8a8)))
+    run("offline", "vLLM W8A8", lambda: repeated(lambda: python_offline("vllm", "w8a8", w8a8)))
     run("offline", "transformers float32", lambda: repeated(lambda: python_offline("transformers", "float32", hf_dir,
                                                                                    skip_prefill=True), 1))
     for kind, f in llama_files(gguf).items():
@@ -478,9 +485,10 @@ def counterpart(name: str) -> str:
 
 
 def weight_bytes(name: str, roof: dict) -> int:
-    """Bytes a decode step reads: the float32 or bfloat16 matrices, or the GGUF file."""
-    if "bfloat16" in name:
-        return roof["engines"]["bfloat16"]["weight_bytes"]
+    """Bytes a decode step reads: the float32, bfloat16 or W8A8 matrices, or the GGUF file."""
+    for kind in ("bfloat16", "W8A8"):
+        if name.endswith(kind):
+            return roof["engines"][kind.lower()]["weight_bytes"]
     if not name.endswith(("F32", "float32")):
         kind = name.split()[-1]
         f = CACHE / "models" / f"smollm2-135m-{kind.lower()}.gguf" if kind != "Q4_1" else models()[0]

@@ -46,3 +46,14 @@ def test_a_failed_run_is_one_cell_that_says_how_it_ended():
     assert peers.failure(exited) == "RuntimeError: llama server exited:"
     row = peers.offline_rows({"llama.cpp Q4_1": {"error": died}})[0]
     assert "\n" not in row and row.count("|") == 8
+
+
+def test_w8a8_rows_pair_with_each_other_and_read_the_int8_weights():
+    roof = {"engines": {"float32": {"weight_bytes": 9}, "bfloat16": {"weight_bytes": 7}, "w8a8": {"weight_bytes": 5}}}
+    assert peers.counterpart("vLLM W8A8") == "cpuserve W8A8"
+    assert [peers.weight_bytes(n, roof) for n in ("vLLM W8A8", "cpuserve W8A8", "cpuserve bfloat16", "vLLM float32")] \
+        == [5, 5, 7, 9]
+    off = {"cpuserve W8A8": {"offline_tok_s": [1400.0, 1450.0], "batch1_ms": [4.5, 4.6], "prefill_2048_s": [0.56, 0.57]},
+           "vLLM W8A8": {"offline_tok_s": [800.0, 815.0], "batch1_ms": [11.3, 12.3], "prefill_2048_s": [0.86, 0.95]}}
+    row = next(line for line in peers.offline_rows(off) if line.startswith("| vLLM W8A8 |"))
+    assert row.endswith("| **1.78x** / **2.67x** / **1.67x** |"), row

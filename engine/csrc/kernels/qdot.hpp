@@ -154,20 +154,17 @@ void qdpack_impl(uint8_t* dst, const uint8_t* src, int t, int64_t n, int64_t k) 
   }
 }
 
-// x [k] -> qa [k], and per group sa, sa * sum(qa) and sum(qa). A group of zeros uses sa = 1.
+// x [k] -> qa [k], and per group sa, sa * sum(qa) and sum(qa). A group of zeros uses sa = 1. The
+// codes as W8A8's (int8.hpp: i8_abs_max, i8_codes, in vectors on AVX-512).
 inline void qd_quant_row(const float* x, int64_t k, int G, int8_t* qa, float* sa, float* sm, int32_t* si) {
   for (int64_t g = 0; g < k / G; ++g) {
     const float* xg = x + g * G;
-    float amax = 0.f;
-    for (int i = 0; i < G; ++i) amax = std::max(amax, std::fabs(xg[i]));
-    float s = amax / 127.f;
+    int8_t* q = qa + g * G;
+    float s = i8_abs_max(xg, G) / 127.f;
     if (!(s > 0.f)) s = 1.f;
+    i8_codes(xg, G, s, 0, q);
     int32_t sum = 0;
-    for (int i = 0; i < G; ++i) {
-      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xg[i] / s)));
-      qa[g * G + i] = static_cast<int8_t>(v);
-      sum += static_cast<int32_t>(v);
-    }
+    for (int i = 0; i < G; ++i) sum += q[i];
     sa[g] = s;
     sm[g] = s * static_cast<float>(sum);
     si[g] = sum;

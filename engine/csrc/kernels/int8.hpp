@@ -71,6 +71,17 @@ void i8pack_impl(uint8_t* dst, const int8_t* w, const float* scale, int64_t n, i
     }
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// The max (Max) or min of v's 8 lanes.
+template <bool Max>
+inline float i8_reduce8(__m256 v) {
+  auto op = [](__m128 a, __m128 b) { return Max ? _mm_max_ps(a, b) : _mm_min_ps(a, b); };
+  __m128 x = op(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = op(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(op(x, _mm_shuffle_ps(x, x, 1)));
+}
+#endif
+
 // The least and greatest of x[0, k) (k > 0), folded from x[0] as std::min / std::max fold them: a
 // NaN after x[0] is passed over (so does vminps / vmaxps, which return their second operand on one).
 inline void i8_min_max(const float* x, int64_t k, float& lo, float& hi) {
@@ -84,6 +95,14 @@ inline void i8_min_max(const float* x, int64_t k, float& lo, float& hi) {
     vhi = _mm512_max_ps(v, vhi);
   }
   lo = _mm512_reduce_min_ps(vlo), hi = _mm512_reduce_max_ps(vhi);
+#elif defined(__AVX2__)
+  __m256 vlo = _mm256_set1_ps(lo), vhi = vlo;
+  for (; i + 8 <= k; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    vlo = _mm256_min_ps(v, vlo);
+    vhi = _mm256_max_ps(v, vhi);
+  }
+  lo = i8_reduce8<false>(vlo), hi = i8_reduce8<true>(vhi);
 #endif
   for (; i < k; ++i) lo = std::min(lo, x[i]), hi = std::max(hi, x[i]);
 }
@@ -96,13 +115,18 @@ inline float i8_abs_max(const float* x, int64_t k) {
   __m512 va = _mm512_setzero_ps();
   for (; i + 16 <= k; i += 16) va = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), va);
   amax = _mm512_reduce_max_ps(va);
+#elif defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 va = _mm256_setzero_ps();
+  for (; i + 8 <= k; i += 8) va = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), va);
+  amax = i8_reduce8<true>(va);
 #endif
   for (; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
   return amax;
 }
 
 // q[i] = clamp(rne(x[i] / s) + z, -127, 127) for i < k (a NaN: -127, as std::max(-127.f, NaN) gives).
-// The vector path divides, rounds and clamps as the scalar one does: the same codes.
+// The vector paths divide, round and clamp as the scalar one does: the same codes.
 inline void i8_codes(const float* x, int64_t k, float s, int32_t z, int8_t* q) {
   int64_t i = 0;
 #ifdef __AVX512F__
@@ -114,6 +138,16 @@ inline void i8_codes(const float* x, int64_t k, float s, int32_t z, int8_t* q) {
     const __m512 v = _mm512_min_ps(hi, _mm512_max_ps(_mm512_add_ps(r, vz), lo));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
   }
+#elif defined(__AVX2__)
+  const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(static_cast<float>(z));
+  const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  for (; i + 8 <= k; i += 8) {
+    const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), vs),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i v = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(_mm256_add_ps(r, vz), lo)));
+    const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(h, h));
+  }
 #endif
   for (; i < k; ++i) {
     const float v = std::nearbyint(x[i] / s) + static_cast<float>(z);
@@ -124,9 +158,9 @@ inline void i8_codes(const float* x, int64_t k, float s, int32_t z, int8_t* q) {
 // One row of activations -> int8 codes in [-127, 127] (padded with zeros to kpad), scale, zero.
 //   symmetric:  s = max|x| / 127, q = rne(x / s), z = 0
 //   asymmetric: s = (max x - min x) / 254, z = rne(-127 - min x / s), q = clamp(rne(x / s) + z)
-// A constant row that would give s = 0 uses s = 1. On AVX-512 in vectors (the same codes): the
-// scalar loops, a division each, took as long as the GEMM's dot products on a batch (AMD EPYC Zen
-// 5, 2,048 x 1,536 x 576).
+// A constant row that would give s = 0 uses s = 1. On AVX-512 and AVX2 in vectors (the same codes):
+// the scalar loops, a division each, took as long as the GEMM's dot products on a batch (AMD EPYC
+// Zen 5, 2,048 x 1,536 x 576).
 inline void i8_quant_row(const float* x, int64_t k, int64_t kp, int8_t* q, float& s, int32_t& z, bool asym) {
   float lo = 0.f, hi = 0.f;
   if (asym) {

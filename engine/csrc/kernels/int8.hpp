@@ -26,8 +26,8 @@ namespace {
 
 constexpr int kI8NR = 2 * VecI8::L;
 // Rows of a batch tile: 12 with AVX-512 VNNI (i8_micro_vnni), 4 elsewhere. vpdpbusd has a latency of
-// four cycles at two a cycle (AMD EPYC Zen 5): 4 rows x 2 vectors (8 chains) reached 3.0-4.0 G of
-// them a second on one core, hot, 12 rows (24 chains) 6.8-7.1.
+// four cycles at two a cycle (AMD EPYC Zen 5): the 4-row tile (8 chains, the intrinsic) reached
+// 3.0-4.0 G of them a second on one core, hot, 12 rows (24 chains, the asm below) 6.8-7.1.
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 constexpr int kI8MR = 12;
 #else
@@ -203,7 +203,7 @@ inline void i8_micro(const int8_t* qa, int64_t kp, const int8_t* w, int64_t pane
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 // acc += a's unsigned bytes x w's signed bytes, four to a lane (vpdpbusd). Written in asm: in an
 // unrolled tile GCC 12 compiled the intrinsic to a copy of the accumulator into another register
-// and back and a store of it to the stack, at every step (the batch GEMMs took 1.5-1.7x the time).
+// and back and a store of it to the stack, at every step (the batch GEMMs took 1.4-1.8x the time).
 [[gnu::always_inline]] inline void dpbusd(__m512i& acc, __m512i a, __m512i w) {
   __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(w));
 }

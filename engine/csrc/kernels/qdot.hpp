@@ -155,7 +155,7 @@ void qdpack_impl(uint8_t* dst, const uint8_t* src, int t, int64_t n, int64_t k) 
 }
 
 // x [k] -> qa [k], and per group sa, sa * sum(qa) and sum(qa). A group of zeros uses sa = 1. The
-// codes as W8A8's (int8.hpp: i8_abs_max, i8_codes, in vectors on AVX-512).
+// codes as W8A8's (int8.hpp: i8_abs_max, i8_codes, in vectors on AVX-512 and AVX2).
 inline void qd_quant_row(const float* x, int64_t k, int G, int8_t* qa, float* sa, float* sm, int32_t* si) {
   for (int64_t g = 0; g < k / G; ++g) {
     const float* xg = x + g * G;

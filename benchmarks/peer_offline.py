@@ -49,7 +49,8 @@ class Vllm:
     def __init__(self, model: str, dtype: str):
         from vllm import LLM, SamplingParams
         # "w8a8": the checkpoint's compressed-tensors int8 weights (vLLM's oneDNN W8A8), bfloat16 elsewhere
-        self.llm = LLM(model=model, dtype="bfloat16" if dtype == "w8a8" else dtype, max_model_len=4096, max_num_batched_tokens=LONG, seed=0)
+        self.llm = LLM(model=model, dtype="bfloat16" if dtype == "w8a8" else dtype, max_model_len=4096,
+                       max_num_batched_tokens=LONG, seed=0)
         self.sp = SamplingParams
 
     def generate(self, batch: list[list[int]], tokens: int) -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+# How the weights are kept (loading/model_loader.py checkpoint_quantization; the CLI's --quantization).
+QUANTIZATIONS = ("auto", "gguf", "awq", "gptq", "compressed-tensors", "none")
+
 GiB = 1 << 30
 DEFAULT_KV_CACHE_GIB = 4.0  # vLLM's VLLM_CPU_KVCACHE_SPACE default, and ours without a memory limit
 
@@ -62,9 +65,8 @@ class EngineConfig:
         if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 0:
             raise ValueError("max_prefill_tokens_while_decoding must be >= 0 (0: no cap), got "
                              f"{self.max_prefill_tokens_while_decoding}")
-        if self.quantization not in (None, "auto", "gguf", "awq", "gptq", "compressed-tensors", "none"):
-            raise ValueError("quantization must be auto, gguf, awq, gptq, compressed-tensors or none, got "
-                             f"{self.quantization!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.quantized_activations not in ("none", "int8"):
             raise ValueError(f"quantized_activations must be none or int8, got {self.quantized_activations!r}")
         if self.kv_populate not in ("start", "idle", "off"):

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from cpuserve.config import QUANTIZATIONS
+
 SERVE_BATCHED_TOKENS = 512
 SERVE_PREFILL_WHILE_DECODING = 256
 
@@ -27,7 +29,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "float32", "bfloat16", "float16", "fp8_e5m2", "fp8_e4m3", "fp8"],
                    help="fp8_e5m2 / fp8_e4m3 (fp8): one byte a value, with chunked prefill and prefix caching")
     p.add_argument("--quantization", "-q", default="auto",
-                   choices=["auto", "gguf", "awq", "gptq", "compressed-tensors", "none"],
+                   choices=QUANTIZATIONS,
                    help="auto: a GGUF keeps its quantized blocks (gguf), an AWQ / GPTQ checkpoint its 4-bit groups, "
                         "a compressed-tensors one its int8 W8A8 weights; none: widen every weight to --dtype")
     p.add_argument("--quantized-activations", default="none", choices=["none", "int8"],

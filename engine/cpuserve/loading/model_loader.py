@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from cpuserve.config import QUANTIZATIONS
 from cpuserve.loading.lazy import LazyByName
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -137,9 +138,6 @@ def from_le_bytes(buf: bytearray, dtype: torch.dtype, shape, big_endian_host: bo
         import numpy as np
         np.frombuffer(buf, dtype=f"u{size}").byteswap(inplace=True)
     return torch.frombuffer(buf, dtype=dtype).reshape(shape)
-
-
-QUANTIZATIONS = ("auto", "gguf", "awq", "gptq", "compressed-tensors", "none")
 
 
 def checkpoint_quantization(model_dir: Path, requested: str | None) -> str:

@@ -175,6 +175,17 @@ constexpr bool kFetchTileOfC = true;
 constexpr bool kFetchTileOfC = false;
 #endif
 
+// How many k steps ahead of its loads decode (MR <= 2, NP > 1) asks for each panel's weight lines
+// (2 KB a panel at 128 bytes a step). One step ahead, as before, only marked them non-temporal: on
+// 4 KB pages the hardware prefetchers, which stop at each page's end, ran behind. The model's 120
+// layer GEMVs and its LM head from memory, batch 1, two threads, AMD EPYC Zen 5 (old and new in one
+// binary taking turns, medians of 11-15 rounds, in minutes of 30-64 GB/s). On 4 KB pages: 16 steps
+// ahead bfloat16 0.79-0.93x the time in five runs, float32 0.78-0.95x in four and 1.09x in one,
+// 2 rows 0.90x; 8 steps 0.88x, 12 0.89x, 24 0.89x / 0.99x, 32 1.06x (bfloat16), 64 0.92x; 8 steps
+// into L2 instead 0.94x. On huge pages (the engine's packed weights, platform/pages.py) 16 steps:
+// bfloat16 0.96-0.98x, float32 0.98-1.00x, and the engine's batch-1 bench level (4 rounds each).
+constexpr int64_t kDecodeAhead = 16;
+
 // MR x (NP panels of NR) micro-kernel over one K block, `pf` (kernels/prefetch.hpp) fetched
 // evenly over its k loop (64 rows of float32 on weights from memory: 380 -> 430 GFLOP/s,
 // against 450-475 on cached ones). `first` starts the chain
@@ -221,11 +232,11 @@ template <int MR, int NP, typename T, typename TA = AOf<T>>
     }
   int64_t pf_line = pf.first, pf_acc = 0;
   for (int64_t kk = 0; kk < kc; ++kk) {
-    if constexpr (NP > 1) {  // decode reads each weight once: the next step's lines marked non-temporal
-      if (kk + 1 < kc)
+    if constexpr (NP > 1) {  // decode reads each weight once: lines kDecodeAhead steps on, non-temporal
+      if (kk + kDecodeAhead < kc)
         for (int q = 0; q < NP; ++q)
           for (int64_t o = 0; o < static_cast<int64_t>(kNR * sizeof(T)); o += 64)
-            prefetch_nta(reinterpret_cast<const char*>(b + q * panel_stride + (kk + 1) * kNR) + o);
+            prefetch_nta(reinterpret_cast<const char*>(b + q * panel_stride + (kk + kDecodeAhead) * kNR) + o);
     }
     for (int h = 0; h < kSubSteps<T>; ++h) {  // bf16p: k, then k + 1 of the pairs at kk
       if constexpr (NP > 1) {

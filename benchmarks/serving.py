@@ -84,11 +84,30 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ou
             "start": t0}
 
 
+def engine_steps(url: str) -> dict[str, dict[str, float]]:
+    """cpuserve's step counters by kind (metrics.step_totals) from its /metrics now."""
+    from cpuserve.entrypoints.openai.metrics import step_totals
+    return step_totals(httpx.get(url + "/metrics", timeout=30).text)
+
+
+def step_profile(before: dict, after: dict, wall: float) -> dict:
+    """Where the engine's time went over a window of `wall` seconds, from its step counters before
+    and after: per kind its steps, their mean ms and mean tokens; `busy`: the steps' share of the
+    window (the rest: the engine waiting for requests or for its own loop)."""
+    kinds = {}
+    for kind, now in after.items():
+        n = now["steps"] - before[kind]["steps"]
+        sec = now["seconds"] - before[kind]["seconds"]
+        kinds[kind] = {"steps": n, "seconds": sec, "ms": sec / n * 1e3 if n else 0.0,
+                       "tokens": (now["tokens"] - before[kind]["tokens"]) / n if n else 0.0}
+    return {"kinds": kinds, "busy": sum(k["seconds"] for k in kinds.values()) / wall}
+
+
 async def level(url: str, concurrency: int, prompts: list[list[int]], keepalive: bool = True,
                 output_len: int = OUTPUT_LEN, server_pid: int | None = None) -> dict:
     """`keepalive=False`: a new connection per request (llama-server closes a connection after a
-    streamed response, and a reused one then fails). With `server_pid`, that process's CPU time
-    per output token (the timed part only)."""
+    streamed response, and a reused one then fails). With `server_pid` (cpuserve's own server),
+    that process's CPU time per output token and the engine's steps by kind (the timed part only)."""
     per_client = max(1, 4 // concurrency) if concurrency < 4 else (2 if concurrency <= 16 else 1)
     results = []
 
@@ -100,17 +119,19 @@ async def level(url: str, concurrency: int, prompts: list[list[int]], keepalive:
     async with httpx.AsyncClient(timeout=600, limits=limits) as c:
         await one_request(c, url, prompts[0], output_len)  # warm-up
         cpu0 = cpu_seconds(server_pid) if server_pid else 0.0
+        steps0 = engine_steps(url) if server_pid else None
         t0 = time.perf_counter()
         await asyncio.gather(*(client_loop(c, i) for i in range(concurrency)))
         wall = time.perf_counter() - t0
         cpu = cpu_seconds(server_pid) - cpu0 if server_pid else None
+        steps = step_profile(steps0, engine_steps(url), wall) if server_pid else None
     ttft = [r["ttft"] * 1e3 for r in results]
     itl = [x * 1e3 for r in results for x in r["itl"]]
     tokens = len(results) * output_len
     return {"concurrency": concurrency, "output_len": output_len, "requests": len(results), "wall_s": wall,
             "tok_s": tokens / wall, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
             "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
-            "api_cpu_us_per_token": cpu / tokens * 1e6 if cpu is not None else None}
+            "api_cpu_us_per_token": cpu / tokens * 1e6 if cpu is not None else None, "engine_steps": steps}
 
 
 def offline_decode_ms(dtype: str) -> float:
@@ -143,6 +164,24 @@ def main() -> None:
     write(rows, offline, dtype)
 
 
+def step_table(rows: list[dict]) -> list[str]:
+    """Where the engine's time went at each level (the server's cpuserve:engine_step* counters)."""
+    out = ["Where the engine's time went in each row (the server's `cpuserve:engine_step_*` counters over "
+           "the timed part): the share of the wall time spent in steps, and per kind of step their number, "
+           "mean ms and mean tokens (decode: only sequences decoding, one row each; mixed: prompt tokens "
+           "and decode rows together; prefill: prompt tokens only).", "",
+           "| concurrency | output tokens | in steps | decode steps: n / ms / rows | mixed: n / ms / tokens | "
+           "prefill: n / ms / tokens |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        p = r.get("engine_steps")
+        if not p:
+            continue
+        cells = [f"{k['steps']:.0f} / {k['ms']:.1f} / {k['tokens']:.1f}" if k["steps"] else "0"
+                 for k in (p["kinds"][kind] for kind in ("decode", "mixed", "prefill"))]
+        out.append(f"| {r['concurrency']} | {r['output_len']:,} | {100 * p['busy']:.0f}% | " + " | ".join(cells) + " |")
+    return out
+
+
 def write(rows: list[dict], offline_ms: float, dtype: str) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     one = next((r for r in rows if r["concurrency"] == 1), None)
@@ -164,6 +203,7 @@ def write(rows: list[dict], offline_ms: float, dtype: str) -> None:
     if one:
         lines += ["", f"API process overhead per token at 1 stream: ITL p50 {one['itl_p50']:.2f} ms served vs "
                   f"{offline_ms:.2f} ms offline decode step = {one['itl_p50'] - offline_ms:+.2f} ms."]
+    lines += ["", *step_table(rows)]
     lines += ["", "vLLM's OpenAI server and `llama-server` on the same client, model and machine, run side by side "
               "with `cpuserve serve`: `make bench-peers` (docs/bench/PEERS.md).", ""]
     (OUT / "serving.md").write_text("\n".join(lines))

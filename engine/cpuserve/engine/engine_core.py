@@ -94,6 +94,7 @@ class EngineCore:
 
     # -- stepping -------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
             if self.scheduler.has_unfinished():
@@ -106,10 +107,12 @@ class EngineCore:
                 seq.first_scheduled = now
                 first_seen[seq.seq_id] = now - seq.arrival
         samplers, tokens, logprobs = self.runner.execute(batch)
-        self.stats.steps += 1
+        prompt_tokens = decode_rows = 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self.stats.prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+                prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            else:
+                decode_rows += 1
             seq.num_computed_tokens += n
             self.block_manager.commit_full_blocks(seq)
         outputs = []
@@ -119,6 +122,7 @@ class EngineCore:
                                      seq.num_cached_tokens, first_seen.get(seq.seq_id)))
             if reason is not None:
                 self._forget_if_done(seq.request_id)
+        self.stats.count_step(prompt_tokens, decode_rows, sum(batch.num_tokens), time.perf_counter() - t0)
         return outputs
 
     def _append_token(self, seq: Sequence, tok: int, lp: dict | None) -> tuple[str | None, int | None]:

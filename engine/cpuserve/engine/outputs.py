@@ -44,6 +44,17 @@ class SeqOutput:
     queued_s: float | None = None          # arrival -> first scheduled, on the first output
 
 
+STEP_KINDS = ("decode", "mixed", "prefill")
+
+
+def step_kind(prompt_tokens: int, decode_rows: int) -> str:
+    """What a step ran: only sequences decoding (`decode`), only prompt tokens (`prefill`: new
+    prompts, chunks of them, or a pooling model's inputs), or both (`mixed`)."""
+    if prompt_tokens == 0:
+        return "decode"
+    return "mixed" if decode_rows else "prefill"
+
+
 @dataclass
 class CoreStats:
     num_running: int = 0
@@ -55,6 +66,21 @@ class CoreStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
+    # by step kind (STEP_KINDS), since the start: steps, their wall seconds (scheduling, the model,
+    # sampling and the outputs' bookkeeping) and the tokens they ran (prompt tokens + decode rows)
+    kind_steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STEP_KINDS, 0))
+    kind_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_KINDS, 0.0))
+    kind_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STEP_KINDS, 0))
+
+    def count_step(self, prompt_tokens: int, decode_rows: int, tokens: int, seconds: float) -> None:
+        """One step that ran `tokens` tokens, `prompt_tokens` of them prompts' and `decode_rows` of
+        them sequences' last tokens, in `seconds`."""
+        kind = step_kind(prompt_tokens, decode_rows)
+        self.steps += 1
+        self.prompt_tokens += prompt_tokens
+        self.kind_steps[kind] += 1
+        self.kind_seconds[kind] += seconds
+        self.kind_tokens[kind] += tokens
 
 
 @dataclass

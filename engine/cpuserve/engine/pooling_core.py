@@ -3,6 +3,7 @@ encodes as many as fit the token budget, `max_num_seqs` and the runner's scratch
 least one), batched; no generation KV cache is touched."""
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from cpuserve.config import EngineConfig
@@ -44,14 +45,14 @@ class PoolingCore:
         return bool(self.waiting)
 
     def step(self) -> list[EmbeddingOutput]:
+        t0 = time.perf_counter()
         batch, tokens = [], 0
         while self.waiting and (not batch or self._room(batch, tokens)):
             rid, ids = self.waiting.popleft()
             batch.append((rid, ids))
             tokens += len(ids)
         vectors = self.runner.embed([ids for _, ids in batch])
-        self.stats.steps += 1
-        self.stats.prompt_tokens += tokens
+        self.stats.count_step(tokens, 0, tokens, time.perf_counter() - t0)
         return [EmbeddingOutput(rid, v, len(ids)) for (rid, ids), v in zip(batch, vectors)]
 
     def _room(self, batch: list[tuple[str, list[int]]], tokens: int) -> bool:

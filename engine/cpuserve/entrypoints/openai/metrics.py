@@ -5,6 +5,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from cpuserve.engine.outputs import STEP_KINDS
+
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
             40.0, 80.0)
 
@@ -31,7 +33,19 @@ class Metrics:
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency", lbl, buckets=_LATENCY, registry=r)
         self.queue = Histogram("vllm:request_queue_time_seconds", "Time waiting before first scheduled", lbl,
                                buckets=_LATENCY, registry=r)
+        # where the engine core's time goes, by step kind (outputs.STEP_KINDS): cpuserve's own, no
+        # vLLM equivalent. Deltas over a window give its steps' mean time and size by kind.
+        kind = lbl + ["kind"]
+        self.kind_steps = Counter("cpuserve:engine_steps", "Engine steps by kind: decode (only sequences "
+                                  "decoding), prefill (only prompt tokens), mixed (both)", kind, registry=r)
+        self.kind_seconds = Counter("cpuserve:engine_step_seconds", "Wall time of the engine's steps by kind",
+                                    kind, registry=r)
+        self.kind_tokens = Counter("cpuserve:engine_step_tokens", "Tokens the engine's steps ran by kind "
+                                   "(prompt tokens and decode rows)", kind, registry=r)
         self.labels = {"model_name": model_name}
+        for counter in (self.kind_steps, self.kind_seconds, self.kind_tokens):
+            for k in STEP_KINDS:  # every kind's series from the start, at zero
+                counter.labels(kind=k, **self.labels)
         # the children observed at every token, looked up once (labels() takes a lock and a dict lookup)
         self.ttft_m, self.itl_m, self.e2e_m, self.queue_m = (h.labels(**self.labels) for h in
                                                               (self.ttft, self.itl, self.e2e, self.queue))
@@ -50,6 +64,14 @@ class Metrics:
             if value > self._last[key]:
                 counter.labels(**L).inc(value - self._last[key])
                 self._last[key] = value
+        for name, counter, totals in (("steps", self.kind_steps, s.kind_steps),
+                                      ("seconds", self.kind_seconds, s.kind_seconds),
+                                      ("tokens", self.kind_tokens, s.kind_tokens)):
+            for kind, value in totals.items():
+                last = self._last.get((name, kind), 0)
+                if value > last:
+                    counter.labels(kind=kind, **L).inc(value - last)
+                    self._last[(name, kind)] = value
 
 
 class RequestTimer:
@@ -74,3 +96,19 @@ class RequestTimer:
         self.m.e2e_m.observe(time.monotonic() - self.start)
         for r in reasons:
             self.m.request_success.labels(finished_reason=r or "abort", **self.m.labels).inc()
+
+
+def step_totals(exposition: str) -> dict[str, dict[str, float]]:
+    """{kind: {"steps", "seconds", "tokens"}} from a /metrics page's cpuserve:engine_step* counters
+    (for a client that takes deltas over a window: benchmarks/serving.py); {} where it has none."""
+    names = {"cpuserve:engine_steps_total": "steps", "cpuserve:engine_step_seconds_total": "seconds",
+             "cpuserve:engine_step_tokens_total": "tokens"}
+    out: dict[str, dict[str, float]] = {}
+    for line in exposition.splitlines():
+        name, _, rest = line.partition("{")
+        if name not in names:
+            continue
+        labels, _, value = rest.partition("}")
+        kind = next(p.split("=", 1)[1].strip('"') for p in labels.split(",") if p.startswith("kind="))
+        out.setdefault(kind, {})[names[name]] = float(value)
+    return out

@@ -103,6 +103,19 @@ def test_topology_says_where_the_engine_runs(server):
         assert rank["memoryNode"] is None and rank["membind"].startswith("refused")
 
 
+def test_step_metrics_by_kind(server, client):
+    from cpuserve.entrypoints.openai.metrics import step_totals
+    before = step_totals(httpx.get(server.url + "/metrics").text)
+    client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=4, temperature=0)
+    after = step_totals(httpx.get(server.url + "/metrics").text)
+    assert set(after) == {"decode", "mixed", "prefill"}
+    delta = {k: {f: after[k][f] - before[k][f] for f in after[k]} for k in after}
+    prompt_steps = delta["prefill"]["steps"] + delta["mixed"]["steps"]
+    # the prompt's step(s), then one step a token after the first
+    assert delta["decode"]["steps"] >= 3 and prompt_steps >= 1
+    assert delta["decode"]["tokens"] >= delta["decode"]["steps"] and delta["decode"]["seconds"] > 0
+
+
 def parse_cpus(text):
     out = []
     for part in filter(None, text.split(",")):

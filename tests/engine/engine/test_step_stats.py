@@ -1,0 +1,44 @@
+"""The engine core's account of its steps by kind (outputs.CoreStats, exported as the server's
+cpuserve:engine_step_* counters): what each kind is, and that the real model's steps land in
+the kind they are, with their tokens and their time."""
+from cpuserve import SamplingParams
+from cpuserve.engine.outputs import STEP_KINDS, CoreStats, step_kind
+
+
+def test_step_kind():
+    assert step_kind(0, 16) == "decode"
+    assert step_kind(128, 0) == "prefill"
+    assert step_kind(128, 15) == "mixed"
+
+
+def test_count_step_adds_by_kind():
+    s = CoreStats()
+    s.count_step(0, 16, 16, 0.02)
+    s.count_step(0, 16, 16, 0.03)
+    s.count_step(256, 10, 266, 0.15)
+    assert s.steps == 3 and s.prompt_tokens == 256
+    assert s.kind_steps == {"decode": 2, "mixed": 1, "prefill": 0}
+    assert s.kind_tokens == {"decode": 32, "mixed": 266, "prefill": 0}
+    assert abs(s.kind_seconds["decode"] - 0.05) < 1e-12 and s.kind_seconds["prefill"] == 0
+
+
+def test_real_steps_are_counted_by_kind(llm_f32):
+    engine = llm_f32.engine
+    core = engine.core
+    before = {k: (core.stats.kind_steps[k], core.stats.kind_tokens[k], core.stats.kind_seconds[k])
+              for k in STEP_KINDS}
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("a", list(range(1000, 1020)), greedy)
+    engine.step()  # a's prompt alone: prefill
+    engine.add_request("b", list(range(2000, 2030)), greedy)
+    engine.step()  # b's prompt and a's next token: mixed
+    while engine.has_unfinished_requests():
+        engine.step()  # both decoding (a finishes first; b's last steps alone)
+    delta = {k: tuple(now - was for now, was in zip(
+        (core.stats.kind_steps[k], core.stats.kind_tokens[k], core.stats.kind_seconds[k]), before[k]))
+        for k in STEP_KINDS}
+    assert delta["prefill"][:2] == (1, 20)
+    assert delta["mixed"][:2] == (1, 31)
+    # a: 6 tokens = prefill + mixed + 4 decode steps; b: 6 = mixed + 5 decode; 5 decode steps
+    assert delta["decode"][:2] == (5, 9)
+    assert all(delta[k][2] > 0 for k in STEP_KINDS)

@@ -164,6 +164,18 @@ def main() -> None:
     write(rows, offline, dtype)
 
 
+def served_step_note(one: dict, offline_ms: float) -> str:
+    """How much of the 1-stream overhead is the engine's own decode step (from its step counters)
+    running slower beside the API process and the client, rather than latency the API adds."""
+    p = one.get("engine_steps")
+    if not p or not p["kinds"]["decode"]["steps"]:
+        return ""
+    ms = p["kinds"]["decode"]["ms"]
+    return (f" The engine's decode steps in that row took {ms:.2f} ms ({ms - offline_ms:+.2f} against offline: "
+            f"the same CPUs shared with the API process and the client); the API's latency the other "
+            f"{one['itl_p50'] - ms:+.2f} ms.")
+
+
 def step_table(rows: list[dict]) -> list[str]:
     """Where the engine's time went at each level (the server's cpuserve:engine_step* counters)."""
     out = ["Where the engine's time went in each row (the server's `cpuserve:engine_step_*` counters over "
@@ -202,7 +214,8 @@ def write(rows: list[dict], offline_ms: float, dtype: str) -> None:
                      f"{r['api_cpu_us_per_token']:.0f} |")
     if one:
         lines += ["", f"API process overhead per token at 1 stream: ITL p50 {one['itl_p50']:.2f} ms served vs "
-                  f"{offline_ms:.2f} ms offline decode step = {one['itl_p50'] - offline_ms:+.2f} ms."]
+                  f"{offline_ms:.2f} ms offline decode step = {one['itl_p50'] - offline_ms:+.2f} ms." +
+                  served_step_note(one, offline_ms)]
     lines += ["", *step_table(rows)]
     lines += ["", "vLLM's OpenAI server and `llama-server` on the same client, model and machine, run side by side "
               "with `cpuserve serve`: `make bench-peers` (docs/bench/PEERS.md).", ""]

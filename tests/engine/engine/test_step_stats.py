@@ -42,3 +42,22 @@ def test_real_steps_are_counted_by_kind(llm_f32):
     # a: 6 tokens = prefill + mixed + 4 decode steps; b: 6 = mixed + 5 decode; 5 decode steps
     assert delta["decode"][:2] == (5, 9)
     assert all(delta[k][2] > 0 for k in STEP_KINDS)
+
+
+def test_counters_round_trip_through_the_metrics_page():
+    from prometheus_client import generate_latest
+
+    from cpuserve.entrypoints.openai.metrics import Metrics, step_totals
+    m, s = Metrics("smollm2"), CoreStats()
+    assert step_totals(generate_latest(m.registry).decode()) == {
+        k: {"steps": 0.0, "seconds": 0.0, "tokens": 0.0} for k in STEP_KINDS}  # every kind from the start
+    s.count_step(0, 16, 16, 0.02)
+    s.count_step(256, 10, 266, 0.15)
+    m.update_stats(s)
+    s.count_step(0, 16, 16, 0.03)
+    m.update_stats(s)  # snapshots are totals: only what is new is added
+    got = step_totals(generate_latest(m.registry).decode())
+    assert got["decode"]["steps"] == 2 and got["decode"]["tokens"] == 32
+    assert abs(got["decode"]["seconds"] - 0.05) < 1e-9
+    assert got["mixed"]["steps"] == 1 and got["mixed"]["tokens"] == 266 and abs(got["mixed"]["seconds"] - 0.15) < 1e-9
+    assert got["prefill"]["steps"] == 0

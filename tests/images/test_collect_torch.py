@@ -82,7 +82,7 @@ def stage(tmp_path):
     lib = s / f"usr/lib/{TRIPLET}"
     build = tmp_path / "build"
     build.mkdir()
-    runtime = build_library(build / "libzmq.so.5", "libzmq.so.5")  # the runtime image has it
+    runtime = build_library(build / "libgomp.so.1", "libgomp.so.1")  # the runtime image has it
     deep = build_library(s / "opt/vendor/sub/libdeep.so.2", "libdeep.so.2")
     conf = build_library(s / "opt/blas/libblas.so.3", "libblas.so.3")
     (s / "etc/ld.so.conf.d").mkdir(parents=True)
@@ -104,7 +104,7 @@ def stage(tmp_path):
     (torch / "__init__.py").write_text("")
     info = tmp_path / "info"
     info.mkdir()
-    (info / "libzmq5:amd64.list").write_text(f"/.\n/usr/lib/{TRIPLET}/libzmq.so.5\n/usr/share/doc/libzmq5\n")
+    (info / "libgomp1:amd64.list").write_text(f"/.\n/usr/lib/{TRIPLET}/libgomp.so.1\n/usr/share/doc/libgomp1\n")
     (info / "libc6:amd64.list").write_text(f"/lib/{TRIPLET}/libc.so.6\n/lib64/ld-linux-x86-64.so.2\n")
     return s, info
 
@@ -114,7 +114,7 @@ def test_collects_what_torch_loads_and_points_its_links_at_the_copies(stage, tmp
     out = tmp_path / "out"
     libs = ct.collect(s, info, TRIPLET, out)
     # _C's closure ($ORIGIN of libvendor's real directory, ld.so.conf.d, RUNPATH), libtorch_global_deps
-    # by name, not libzmq (the runtime's); the detectron library is only a root: nothing needs it
+    # by name, not libgomp (the runtime's); the detectron library is only a root: nothing needs it
     assert sorted(libs) == ["libblas.so.3", "libc10.so.1.13", "libdeep.so.2", "libtorch_cpu.so.1.13",
                             "libtorch_global_deps.so.1.13", "libvendor.so.1"]
     assert sorted(p.name for p in (out / ct.LIBDIR).iterdir()) == sorted(libs)

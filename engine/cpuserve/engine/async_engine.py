@@ -7,14 +7,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
-import os
-import pickle
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from cpuserve.engine import core_process as cp
+from cpuserve.engine.channel import ChannelClosed, open_api_channel, socket_pair
 from cpuserve.config import EngineConfig
 from cpuserve.engine.output_processor import OutputProcessor
 from cpuserve.engine.outputs import CoreStats, EmbeddingOutput, RequestOutput
@@ -95,45 +93,50 @@ class AsyncEngine:
     def launch(self) -> None:
         """Spawns the engine core (which then imports torch and loads the model) and returns at
         once: the caller does its own start-up meanwhile, then awaits `start`."""
-        import zmq
-        import zmq.asyncio
-
         if getattr(self, "proc", None) is not None:
             return
-        self._dir = tempfile.mkdtemp(prefix="cpuserve-")
-        os.chmod(self._dir, 0o700)
-        in_addr, out_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
-        self._ctx = zmq.asyncio.Context()
-        self._push = self._ctx.socket(zmq.PUSH)
-        self._push.bind(in_addr)
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.bind(out_addr)
+        self._sock, core_end = socket_pair()
         mp = multiprocessing.get_context("spawn")
-        self.proc = mp.Process(target=cp.run_engine_core, args=(self.config, in_addr, out_addr),
+        self.proc = mp.Process(target=cp.run_engine_core, args=(self.config, core_end),
                                name="cpuserve-engine-core", daemon=True)
-        self.proc.start()
+        self.proc.start()  # the core's end is inherited by the child (multiprocessing's DupFd)
+        core_end.close()
 
     async def start(self, timeout: float = 600.0) -> None:
         """Launches the engine core if that is not done yet, and waits until it is ready."""
         self.launch()
+        self._channel = await open_api_channel(self._sock)
         deadline = time.monotonic() + timeout
         tokenizer = None  # read while the core loads the weights
-        while True:
-            if await self._pull.poll(500):
-                kind, *payload = pickle.loads(await self._pull.recv())
-                if kind == cp.RESOLVED and tokenizer is None:
-                    tokenizer = (payload[0], asyncio.ensure_future(asyncio.to_thread(load_tokenizer, payload[0])))
-                    # (its error is raised by the await below; if the core fails first, by nobody)
-                    tokenizer[1].add_done_callback(lambda f: f.cancelled() or f.exception())
-                if kind == cp.READY:
-                    self.info = ModelInfo(**payload[0])
-                    break
-                if kind == cp.FATAL:
-                    raise RuntimeError(f"engine core failed to start: {payload[0]}")
-            if not self.proc.is_alive():
-                raise RuntimeError(f"engine core exited during start-up (exit code {self.proc.exitcode})")
-            if time.monotonic() > deadline:
-                raise RuntimeError("engine core did not become ready in time")
+        message = None  # the read under way: one at a time on the stream, none left at READY
+        try:
+            while True:
+                message = message or asyncio.ensure_future(self._channel.recv())
+                done, _ = await asyncio.wait({message}, timeout=0.5)
+                if done:
+                    got, message = message, None
+                    try:
+                        kind, *payload = got.result()
+                    except ChannelClosed:
+                        await asyncio.to_thread(self.proc.join, 5)
+                        raise RuntimeError(f"engine core exited during start-up (exit code {self.proc.exitcode})")
+                    if kind == cp.RESOLVED and tokenizer is None:
+                        tokenizer = (payload[0], asyncio.ensure_future(asyncio.to_thread(load_tokenizer, payload[0])))
+                        # (its error is raised by the await below; if the core fails first, by nobody)
+                        tokenizer[1].add_done_callback(lambda f: f.cancelled() or f.exception())
+                    if kind == cp.READY:
+                        self.info = ModelInfo(**payload[0])
+                        break
+                    if kind == cp.FATAL:
+                        raise RuntimeError(f"engine core failed to start: {payload[0]}")
+                if not self.proc.is_alive():
+                    raise RuntimeError(f"engine core exited during start-up (exit code {self.proc.exitcode})")
+                if time.monotonic() > deadline:
+                    raise RuntimeError("engine core did not become ready in time")
+        except BaseException:
+            if message is not None:
+                message.cancel()
+            raise
         if tokenizer is not None and tokenizer[0] == self.info.model_dir:
             self.tokenizer = await tokenizer[1]
         else:
@@ -148,7 +151,7 @@ class AsyncEngine:
         if getattr(self, "proc", None) is None:
             return
         if self.proc.is_alive():
-            try:  # bounded: a PUSH socket blocks when the core is already closing and has no reader
+            try:  # bounded: the send waits while the core, already closing, reads nothing
                 await asyncio.wait_for(self._send(cp.SHUTDOWN), 2.0)
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
@@ -157,7 +160,10 @@ class AsyncEngine:
                 self.proc.kill()
         for t in getattr(self, "_tasks", []):
             t.cancel()
-        self._ctx.destroy(linger=0)
+        if getattr(self, "_channel", None) is not None:
+            self._channel.close()
+        else:
+            self._sock.close()
 
     @property
     def num_in_flight(self) -> int:
@@ -233,12 +239,20 @@ class AsyncEngine:
                 await self._send(cp.ABORT, request_id)
 
     async def _send(self, *msg) -> None:
-        await self._push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        """Sends to the core; if it is gone, fails every in-flight request (as _watch_process
+        would a moment later) instead of raising here."""
+        try:
+            await self._channel.send(*msg)
+        except ConnectionError:
+            self._die(self._exit_reason() if not self.proc.is_alive() else "engine core closed the channel")
 
     # -- background tasks -----------------------------------------------------------
     async def _read_outputs(self) -> None:
         while True:
-            kind, *payload = pickle.loads(await self._pull.recv())
+            try:
+                kind, *payload = await self._channel.recv()
+            except ChannelClosed:  # the core exited: _watch_process says how
+                return
             if kind == cp.OUTPUTS:
                 outputs, stats = payload
                 self.stats = stats
@@ -271,7 +285,10 @@ class AsyncEngine:
     async def _watch_process(self) -> None:
         while self.proc.is_alive():
             await asyncio.sleep(0.2)
-        self._die(f"engine core process exited (exit code {self.proc.exitcode})")
+        self._die(self._exit_reason())
+
+    def _exit_reason(self) -> str:
+        return f"engine core process exited (exit code {self.proc.exitcode})"
 
     def _die(self, reason: str) -> None:
         if self.dead:

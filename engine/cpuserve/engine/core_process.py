@@ -1,15 +1,14 @@
 """The engine-core process: owns the model and steps it; talks to the API
-process over two local ZeroMQ sockets (requests in, outputs out).
+process over its end of a Unix socket pair (engine/channel.py: requests in,
+outputs out, as framed pickled tuples).
 
-Messages are pickled tuples on a private ipc:// path in a directory only this
-user can reach. Outputs go out after every step with a stats snapshot; an
-exception in the core is reported once and the process exits non-zero.
+Outputs go out after every step with a stats snapshot; an exception in the core
+is reported once and the process exits non-zero.
 """
 from __future__ import annotations
 
 import logging
 import os
-import pickle
 import signal
 import sys
 import traceback
@@ -31,9 +30,10 @@ def bound_ranks(runner) -> list[dict]:
     return [describe_binding(r) for r in reports]
 
 
-def run_engine_core(config, input_addr: str, output_addr: str) -> None:
-    """Entry point of the spawned process: load, report READY (or FATAL), then loop."""
-    import zmq
+def run_engine_core(config, sock) -> None:
+    """Entry point of the spawned process (`sock`: its end of the channel): load, report READY
+    (or FATAL), then loop."""
+    from cpuserve.engine.channel import CoreChannel
 
     # The API process decides when to stop (SHUTDOWN, or its own exit): a SIGTERM or Ctrl-C
     # sent to the whole process group must not kill the core under in-flight requests.
@@ -41,12 +41,8 @@ def run_engine_core(config, input_addr: str, output_addr: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.connect(input_addr)
-    push = ctx.socket(zmq.PUSH)
-    push.connect(output_addr)
-    send = lambda *msg: push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))  # noqa: E731
+    channel = CoreChannel(sock)
+    send = channel.send
     parent = os.getppid()
     try:
         from cpuserve.engine.pooling_core import make_core
@@ -64,31 +60,36 @@ def run_engine_core(config, input_addr: str, output_addr: str) -> None:
         send(FATAL, f"{type(e).__name__}: {e}")
         sys.exit(1)
     try:
-        busy_loop(core, pull, send, parent)
+        busy_loop(core, channel, parent)
+    except ConnectionError:  # a send to an API process that is gone
+        log.error("API process is gone: engine core exiting")
     except Exception:
         send(FATAL, traceback.format_exc())
         raise
 
 
-def busy_loop(core, pull, send, parent: int) -> None:
+def busy_loop(core, channel, parent: int) -> None:
     """Takes in requests, steps while there is work, sends each step's outputs; while idle,
     does the start-up work left for then (worker/idle.py: the KV cache's pages, the weights'
     huge pages). Returns on SHUTDOWN or when the API process is gone."""
-    import zmq
-
+    from cpuserve.engine.channel import ChannelClosed
     from cpuserve.worker.idle import QUIET_S
 
-    poller = zmq.Poller()
-    poller.register(pull, zmq.POLLIN)
+    send = channel.send
     idle = core.runner.idle_work
     while True:
         # block while idle (waking up to notice a dead parent, or after a quiet spell for the
         # idle work); drain without waiting while busy
         left = idle.pending
-        timeout = 0 if core.has_unfinished() else int(QUIET_S * 1000) if left else 1000
+        timeout = 0 if core.has_unfinished() else QUIET_S if left else 1.0
         quiet = True
-        while poller.poll(timeout):
-            if not handle(core, send, *pickle.loads(pull.recv())):
+        while channel.poll(timeout):
+            try:
+                msg = channel.recv()
+            except ChannelClosed:
+                log.error("API process closed the channel: engine core exiting")
+                return
+            if not handle(core, send, *msg):
                 return
             timeout, quiet = 0, False
         if os.getppid() != parent:
@@ -99,7 +100,7 @@ def busy_loop(core, pull, send, parent: int) -> None:
             outputs = core.step()
             send(OUTPUTS, outputs, core.snapshot_stats())
         elif left and quiet:
-            idle.run_while(lambda: not poller.poll(0))
+            idle.run_while(lambda: not channel.poll(0))
 
 
 def handle(core, send, kind: str, *payload) -> bool:

@@ -109,3 +109,33 @@ def test_a_spawned_core_inherits_its_end():
         await asyncio.to_thread(proc.join, 30)
         return proc.exitcode
     assert asyncio.run(run()) == 0
+
+
+def _exit_at_once() -> None:
+    pass
+
+
+def test_a_send_to_a_dead_core_fails_the_requests_not_the_sender():
+    """AsyncEngine._send after the core has exited (before its watcher notices): no exception
+    in the sender (a request's clean-up sends an abort); every in-flight request gets the
+    engine's death, with the core's exit code."""
+    from cpuserve.config import EngineConfig
+    from cpuserve.engine.async_engine import AsyncEngine, EngineDeadError, Mailbox
+
+    async def run():
+        engine = AsyncEngine(EngineConfig())
+        engine._sock, core_end = socket_pair()
+        engine.proc = multiprocessing.get_context("spawn").Process(target=_exit_at_once, daemon=True)
+        engine.proc.start()
+        await asyncio.to_thread(engine.proc.join, 30)
+        core_end.close()
+        engine._channel = await open_api_channel(engine._sock)
+        box = engine._queues["r1"] = Mailbox()
+        for _ in range(50):  # the first writes may still land in the socket buffer
+            await engine._send("abort", "r1", b"x" * 100_000)
+            if engine.dead:
+                break
+        return engine, await asyncio.wait_for(box.get(), 5)
+    engine, got = asyncio.run(run())
+    assert engine.dead and engine.dead_reason == "engine core process exited (exit code 0)"
+    assert isinstance(got, EngineDeadError) and str(got) == engine.dead_reason

@@ -13,6 +13,8 @@ import signal
 import sys
 import traceback
 
+from cpuserve.engine.channel import ChannelClosed, CoreChannel
+
 log = logging.getLogger("cpuserve.core")
 
 # request kinds (API -> core)
@@ -33,8 +35,6 @@ def bound_ranks(runner) -> list[dict]:
 def run_engine_core(config, sock) -> None:
     """Entry point of the spawned process (`sock`: its end of the channel): load, report READY
     (or FATAL), then loop."""
-    from cpuserve.engine.channel import CoreChannel
-
     # The API process decides when to stop (SHUTDOWN, or its own exit): a SIGTERM or Ctrl-C
     # sent to the whole process group must not kill the core under in-flight requests.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -72,7 +72,6 @@ def busy_loop(core, channel, parent: int) -> None:
     """Takes in requests, steps while there is work, sends each step's outputs; while idle,
     does the start-up work left for then (worker/idle.py: the KV cache's pages, the weights'
     huge pages). Returns on SHUTDOWN or when the API process is gone."""
-    from cpuserve.engine.channel import ChannelClosed
     from cpuserve.worker.idle import QUIET_S
 
     send = channel.send

@@ -226,7 +226,9 @@ def serve(engine: str, dtype: str, hf_dir: Path, gguf: Path) -> dict:
     stop(proc)
     proc, url, warm = start(engine, dtype, hf_dir, gguf)
     try:
-        levels = [asyncio.run(serving.level(url, c, prompts, keepalive=False)) for c in LEVELS]  # the same for all
+        # the same client for all; cpuserve's own server also reports its step counters and API CPU
+        pid = proc.pid if engine == "cpuserve" else None
+        levels = [asyncio.run(serving.level(url, c, prompts, keepalive=False, server_pid=pid)) for c in LEVELS]
     except Exception as e:
         proc.log.seek(0)
         raise RuntimeError(f"{e}; server log: {proc.log.read().decode(errors='replace')[-1500:]}") from e
@@ -402,6 +404,25 @@ def serving_table(serving: dict) -> list[str]:
     return lines
 
 
+def served_steps_table(serving_rows: dict) -> list[str]:
+    """Where cpuserve's served levels went (its server's step counters over each level, and the
+    API process's CPU a token): what bounds the served rows, from the same run."""
+    rows = [(name, lv) for name, r in serving_rows.items() if "error" not in r
+            for lv in r["levels"] if lv.get("engine_steps")]
+    if not rows:
+        return []
+    lines = ["", "Where cpuserve's time went in those levels (its server's `cpuserve:engine_step_*` counters over "
+             "each level: the share of the wall time spent in steps, then per kind of step their number, mean "
+             "ms and mean tokens, decode steps one row a sequence; and the API process's CPU a token):", "",
+             "| engine | C | in steps | decode: n / ms / rows | mixed: n / ms / tokens | prefill: n / ms / tokens "
+             "| API CPU us/token |", "|---|---|---|---|---|---|---|"]
+    for name, lv in rows:
+        cpu = lv.get("api_cpu_us_per_token")
+        lines.append(f"| {name} | {lv['concurrency']} | " + " | ".join(serving.step_cells(lv["engine_steps"])) +
+                     f" | {'–' if cpu is None else f'{cpu:.0f}'} |")
+    return lines
+
+
 def roofline_section(roof: dict, off: dict) -> list[str]:
     """The machine's roofline, and each system's batch-1 against its bandwidth bound and its
     offline throughput against the best GEMM peak measured here."""
@@ -446,6 +467,7 @@ def report(res: dict) -> None:
     lines += offline_rows(off)
     lines += alternating_table(res.get("batch1_alternating"))
     lines += serving_table(res["serving"])
+    lines += served_steps_table(res["serving"])
     readme_tables.update("peers", lines[2:] + ["", "Command: `make bench-peers`; roofline, plots and JSON in "
                                                    "[docs/bench/PEERS.md](docs/bench/PEERS.md)."])
     if "machine" in res.get("roofline", {}):

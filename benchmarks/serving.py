@@ -185,13 +185,16 @@ def step_table(rows: list[dict]) -> list[str]:
            "| concurrency | output tokens | in steps | decode steps: n / ms / rows | mixed: n / ms / tokens | "
            "prefill: n / ms / tokens |", "|---|---|---|---|---|---|"]
     for r in rows:
-        p = r.get("engine_steps")
-        if not p:
-            continue
-        cells = [f"{k['steps']:.0f} / {k['ms']:.1f} / {k['tokens']:.1f}" if k["steps"] else "0"
-                 for k in (p["kinds"][kind] for kind in ("decode", "mixed", "prefill"))]
-        out.append(f"| {r['concurrency']} | {r['output_len']:,} | {100 * p['busy']:.0f}% | " + " | ".join(cells) + " |")
+        if r.get("engine_steps"):
+            out.append(f"| {r['concurrency']} | {r['output_len']:,} | " + " | ".join(step_cells(r["engine_steps"])) + " |")
     return out
+
+
+def step_cells(p: dict) -> list[str]:
+    """A step profile (step_profile) as table cells: the share of the wall time in steps, then
+    n / mean ms / mean tokens for decode, mixed and prefill steps."""
+    return [f"{100 * p['busy']:.0f}%"] + [f"{k['steps']:.0f} / {k['ms']:.1f} / {k['tokens']:.1f}" if k["steps"] else "0"
+                                          for k in (p["kinds"][kind] for kind in ("decode", "mixed", "prefill"))]
 
 
 def write(rows: list[dict], offline_ms: float, dtype: str) -> None:

@@ -10,7 +10,7 @@ BUILD  ?= build
 # torch comes from PyPI (on x86 that wheel is a CUDA build; it runs fine on the CPU).
 DEPS := torch numpy "transformers>=4.50" tokenizers safetensors "gguf>=0.10" jinja2 accelerate \
         fastapi uvicorn prometheus-client llguidance \
-        pybind11 "scikit-build-core>=0.10" pytest pytest-timeout matplotlib openai httpx psutil hypothesis schemathesis jsonschema \
+        pybind11 "scikit-build-core>=0.10" pytest pytest-timeout matplotlib openai httpx aiohttp psutil hypothesis schemathesis jsonschema \
         kopf kubernetes pyyaml grpcio protobuf
 # The operator and its tests run in a virtualenv of their own, with no torch and no engine:
 # the operator image must not need them either.

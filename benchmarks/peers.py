@@ -387,20 +387,28 @@ def offline_rows(off: dict) -> list[str]:
     return lines
 
 
+def client_cpu(level: dict) -> str:
+    """The benchmark client's CPU a token in a served level ('–' for a level measured before the
+    client reported it)."""
+    cpu = level.get("client_cpu_us_per_token")
+    return "–" if cpu is None else f"{cpu:.0f}"
+
+
 def serving_table(serving: dict) -> list[str]:
-    lines = ["", "Serving (`serving.py`'s client: 128-token prompts of random ids, 128 greedy output tokens, C "
-             "concurrent streams back to back, a new connection per request; vLLM's OpenAI server and "
-             "`llama-server --parallel 16`):", "",
-             "| engine | ready s cold / warm | C | out tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |",
-             "|---|---|---|---|---|---|"]
+    lines = ["", "Serving (`serving.py`'s aiohttp client: 128-token prompts of random ids, 128 greedy output "
+             "tokens, C concurrent streams back to back, a new connection per request; vLLM's OpenAI server and "
+             "`llama-server --parallel 16`; client CPU: the client's own CPU a token, on the CPUs the server "
+             "uses):", "",
+             "| engine | ready s cold / warm | C | out tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | client CPU us/token |",
+             "|---|---|---|---|---|---|---|"]
     for name, r in serving.items():
         if "error" in r:
-            lines.append(f"| {name} | failed: {failure(r['error'])} | | | | |")
+            lines.append(f"| {name} | failed: {failure(r['error'])} | | | | | |")
             continue
         for lv in r["levels"]:
             lines.append(f"| {name} | {r['ready_cold_s']:.1f} / {r['ready_warm_s']:.1f} | {lv['concurrency']} | "
                          f"{lv['tok_s']:.1f} | {lv['ttft_p50']:.0f} / {lv['ttft_p99']:.0f} | "
-                         f"{lv['itl_p50']:.1f} / {lv['itl_p99']:.1f} |")
+                         f"{lv['itl_p50']:.1f} / {lv['itl_p99']:.1f} | {client_cpu(lv)} |")
     return lines
 
 

@@ -6,7 +6,9 @@ loopback; then 4 clients with 1,024 output tokens (long streams: what the API
 process spends a token must not grow with the output). Reported per level: time
 to first token and inter-token latency (p50/p99), output tokens/s, and the API
 process's CPU time per output token (on a machine with few cores, CPU the
-engine's threads lose). Batch-1 inter-token latency is also set against the
+engine's threads lose), and the client's own. The client is aiohttp's, as vLLM's
+benchmark_serving: on the 2-CPU build VM httpx's streaming client took 100-180 us of
+CPU an output token, aiohttp's 37-62, CPU the server under test loses beside it. Batch-1 inter-token latency is also set against the
 offline engine's decode latency measured in the same process tree, which is
 what the API process adds per token. Writes docs/bench/serving.{md,json,png}.
 """
@@ -22,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 import readme_tables
@@ -69,17 +72,22 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], output_len: int = OUTPUT_LEN) -> dict:
+async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int],
+                      output_len: int = OUTPUT_LEN) -> dict:
+    """One streamed completion: its time to the first token with text, the gaps between the
+    following ones, and when it started and ended (perf_counter)."""
     body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True}
     t0 = time.perf_counter()
     stamps = []
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+    async with session.post(url + "/v1/completions", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
+        async for line in r.content:
+            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
                 chunk = json.loads(line[6:])
                 if chunk["choices"] and chunk["choices"][0]["text"]:
                     stamps.append(time.perf_counter())
+    if not stamps:
+        raise RuntimeError(f"{url}: a streamed completion came back with no text")
     return {"ttft": stamps[0] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])], "end": stamps[-1],
             "start": t0}
 
@@ -107,7 +115,8 @@ async def level(url: str, concurrency: int, prompts: list[list[int]], keepalive:
                 output_len: int = OUTPUT_LEN, server_pid: int | None = None) -> dict:
     """`keepalive=False`: a new connection per request (llama-server closes a connection after a
     streamed response, and a reused one then fails). With `server_pid` (cpuserve's own server),
-    that process's CPU time per output token and the engine's steps by kind (the timed part only)."""
+    that process's CPU time per output token and the engine's steps by kind (the timed part only).
+    The client's own CPU a token (this process's, the timed part) comes with every level."""
     per_client = max(1, 4 // concurrency) if concurrency < 4 else (2 if concurrency <= 16 else 1)
     results = []
 
@@ -115,14 +124,14 @@ async def level(url: str, concurrency: int, prompts: list[list[int]], keepalive:
         for k in range(per_client):
             results.append(await one_request(c, url, prompts[(i * per_client + k) % len(prompts)], output_len))
 
-    limits = httpx.Limits() if keepalive else httpx.Limits(max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as c:
+    connector = aiohttp.TCPConnector(limit=0, force_close=not keepalive)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as c:
         await one_request(c, url, prompts[0], output_len)  # warm-up
         cpu0 = cpu_seconds(server_pid) if server_pid else 0.0
         steps0 = engine_steps(url) if server_pid else None
-        t0 = time.perf_counter()
+        client0, t0 = time.process_time(), time.perf_counter()
         await asyncio.gather(*(client_loop(c, i) for i in range(concurrency)))
-        wall = time.perf_counter() - t0
+        wall, client = time.perf_counter() - t0, time.process_time() - client0
         cpu = cpu_seconds(server_pid) - cpu0 if server_pid else None
         steps = step_profile(steps0, engine_steps(url), wall) if server_pid else None
     ttft = [r["ttft"] * 1e3 for r in results]
@@ -131,7 +140,8 @@ async def level(url: str, concurrency: int, prompts: list[list[int]], keepalive:
     return {"concurrency": concurrency, "output_len": output_len, "requests": len(results), "wall_s": wall,
             "tok_s": tokens / wall, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
             "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
-            "api_cpu_us_per_token": cpu / tokens * 1e6 if cpu is not None else None, "engine_steps": steps}
+            "api_cpu_us_per_token": cpu / tokens * 1e6 if cpu is not None else None,
+            "client_cpu_us_per_token": client / tokens * 1e6, "engine_steps": steps}
 
 
 def offline_decode_ms(dtype: str) -> float:
@@ -207,14 +217,15 @@ def write(rows: list[dict], offline_ms: float, dtype: str) -> None:
              f"`cpuserve serve` ({weights}) on the default model, streaming completions over loopback: "
              f"{INPUT_LEN}-token prompts (random ids), {OUTPUT_LEN} greedy output tokens ({LONG[1]:,} in the last "
              f"row), C concurrent clients sending back to back. API CPU: the API process's CPU time per output token "
-             f"(on this {os.cpu_count()}-CPU machine, time the engine's threads lose).", "",
+             f"(on this {os.cpu_count()}-CPU machine, time the engine's threads lose); client CPU: the "
+             f"benchmark's own client's (aiohttp), which shares the same CPUs.", "",
              "| concurrency | output tokens | requests | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | "
-             "ITL p99 ms | API CPU us/token |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "ITL p99 ms | API CPU us/token | client CPU us/token |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['concurrency']} | {r['output_len']:,} | {r['requests']} | {r['tok_s']:.1f} | "
                      f"{r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | {r['itl_p50']:.1f} | {r['itl_p99']:.1f} | "
-                     f"{r['api_cpu_us_per_token']:.0f} |")
+                     f"{r['api_cpu_us_per_token']:.0f} | {r['client_cpu_us_per_token']:.0f} |")
     if one:
         lines += ["", f"API process overhead per token at 1 stream: ITL p50 {one['itl_p50']:.2f} ms served vs "
                   f"{offline_ms:.2f} ms offline decode step = {one['itl_p50'] - offline_ms:+.2f} ms." +

@@ -175,16 +175,15 @@ constexpr bool kFetchTileOfC = true;
 constexpr bool kFetchTileOfC = false;
 #endif
 
-// How many k steps ahead of its loads decode (MR <= 2, NP > 1) asks for each panel's weight lines
-// (2 KB a panel at 128 bytes a step). One step ahead, as before, only marked them non-temporal: on
-// 4 KB pages the hardware prefetchers, which stop at each page's end, ran behind. The model's 120
-// layer GEMVs and its LM head from memory, batch 1, two threads, AMD EPYC Zen 5 (old and new in one
-// binary taking turns, medians of 11-15 rounds, in minutes of 30-64 GB/s). On 4 KB pages: 16 steps
-// ahead bfloat16 0.79-0.93x the time in five runs, float32 0.78-0.95x in four and 1.09x in one,
-// 2 rows 0.90x; 8 steps 0.88x, 12 0.89x, 24 0.89x / 0.99x, 32 1.06x (bfloat16), 64 0.92x; 8 steps
-// into L2 instead 0.94x. On huge pages (the engine's packed weights, platform/pages.py) 16 steps:
-// bfloat16 0.96-0.98x, float32 0.98-1.00x, and the engine's batch-1 bench level (4 rounds each).
-constexpr int64_t kDecodeAhead = 16;
+// How many k steps ahead of its loads decode (MR <= 2, NP > 1) asks for each panel's weight lines,
+// marked non-temporal (128 bytes a panel a step). One step. 16 steps (2 KB a panel) were tried on
+// the AMD EPYC Zen 5 VM, where on 4 KB pages they took 0.78-0.95x the time of the model's GEMVs
+// (the hardware prefetchers stop at each page's end) but on the engine's huge-paged weights
+// (platform/pages.py) 0.96-1.00x, level in its batch-1 bench. On AMD EPYC Zen 4 they cost: the
+// engine's `cpuserve bench` batch-1 decode, one build of each taking turns by process, 11 rounds,
+// every round slower than one step: float32 1.13-1.16x the time (medians of two sittings),
+// bfloat16 1.12-1.24x; 4 steps 1.05x / 1.09x; none at all 1.24x float32, level bfloat16.
+constexpr int64_t kDecodeAhead = 1;
 
 // MR x (NP panels of NR) micro-kernel over one K block, `pf` (kernels/prefetch.hpp) fetched
 // evenly over its k loop (64 rows of float32 on weights from memory: 380 -> 430 GFLOP/s,

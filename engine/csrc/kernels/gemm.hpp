@@ -103,6 +103,11 @@ constexpr int kTileMax = std::max(kPassRows, kTileRows<T>);
 // from memory, AMD EPYC Zen 4, the two taking turns (medians of 7 each): float32 16 rows
 // 25.0-29.5 -> 22.6-24.8 ms (4 runs of 4), bfloat16 15.6-19.4 -> 14.8-16.7 (3 of 3); 14 rows
 // faster in 2 runs of 3. 8-row tiles for 64 rows too changed nothing measurable: kMR stays.
+// One pass of 16 rows over each panel a vector of columns at a time (16 accumulators, A copied
+// k-major so that every FMA broadcasts from one line) was tried against 8 + 8 on the same VM model:
+// cached weights level (2,048 x 576: 185-188 GFLOP/s both), from memory slower (1,536 x 576
+// 1.1-1.2x the time), the 16-row decode step's GEMMs in `cpuserve bench` 1.12x float32 and 1.17x
+// bfloat16 (3 rounds taking turns): the chunk's second pass from L2 is not what the step waits on.
 template <typename T>
 inline int64_t tile_rows(int64_t rows) {
   if (kPassRows > kMR && rows <= 2 * kPassRows) return (rows + 1) / 2;

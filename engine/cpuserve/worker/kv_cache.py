@@ -157,14 +157,21 @@ def process_baseline() -> int:
     return 0
 
 
-def allocate(layers, blocks: int, block_size: int, kv_dtype: torch.dtype,
-             populate: str = "start") -> tuple[torch.Tensor, Populator | None]:
-    """One tensor for every layer's keys and values, bound to the layers as views, and what
-    populates its pages ahead of use (platform/pages.py): all of them now (`start`), the first
-    256 MiB now and the rest while the engine is idle (`idle`: the Populator returned), or none
-    (`off`: faulted in as blocks fill)."""
+def allocate(layers, blocks: int, block_size: int, kv_dtype: torch.dtype, populate: str = "start",
+             hugepages: bool = True) -> tuple[torch.Tensor, tuple]:
+    """One tensor for every layer's keys and values, bound to the layers as views, and the work
+    left for the engine's idle time (platform/pages.py): its pages populated all now (`start`),
+    the first 256 MiB now and the rest while idle (`idle`: a Populator, then, with `hugepages`, a
+    Collapser turning the whole cache into huge pages), or none (`off`: faulted in as blocks fill)."""
     a = layers[0]
-    cache = torch.empty((len(layers), 2, blocks, a.num_kv_heads, block_size, a.head_dim), dtype=kv_dtype)
+    shape = (len(layers), 2, blocks, a.num_kv_heads, block_size, a.head_dim)
+    collapse = populate == "idle" and hugepages
+    if collapse:  # starting on a 2 MiB boundary, on 4 KiB pages until collapsed
+        numel = torch.Size(shape).numel()
+        raw = pages.huge_empty(numel * torch.empty((), dtype=kv_dtype).element_size(), advise=False)
+        cache = raw.view(kv_dtype).view(shape)
+    else:
+        cache = torch.empty(shape, dtype=kv_dtype)
     size, populator = cache.numel() * cache.element_size(), None
     if populate == "start":
         how = pages.populate(cache)
@@ -180,7 +187,8 @@ def allocate(layers, blocks: int, block_size: int, kv_dtype: torch.dtype,
     k_shape, _ = ops.cache_shapes(blocks, a.num_kv_heads, block_size, a.head_dim)
     for i, layer in enumerate(layers):  # keys transposed in each block, bfloat16 paired (ops.cache_shapes)
         layer.k_cache, layer.v_cache = cache[i, 0].view(k_shape), cache[i, 1]
-    return cache, (populator if populator is not None and populator.pending else None)
+    idle = (populator,) if populator is not None and populator.pending else ()
+    return cache, idle + ((pages.Collapser([(raw, size)], "KV cache"),) if collapse else ())
 
 
 HEAD_BYTES = 256 << 20  # populated before an idle-populated cache is ready: the first requests' blocks

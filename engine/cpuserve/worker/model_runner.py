@@ -186,8 +186,8 @@ class ModelRunner:
             self.model = cls(self.hf_config, Weights(load_state_dict(self.model_dir, self.quantization)), self.dtype,
                              self.tp)
         self.weight_bytes = tensor_bytes(self.model)  # before the KV cache is bound to the layers
-        self.num_blocks, self.kv_cache, populator = self._allocate_kv_cache()
-        self.idle_work = IdleWork(arena.collapser(), populator)
+        self.num_blocks, self.kv_cache, kv_idle = self._allocate_kv_cache()
+        self.idle_work = IdleWork(arena.collapser(), *kv_idle)
         if self.ranks is not None:
             self.rank_info = self.ranks.wait_ready()
             self.ranks.comm.unlink()  # every rank has attached: nothing is left behind in /dev/shm
@@ -226,7 +226,7 @@ class ModelRunner:
         log.info("KV cache %.2f GiB%s: %s (VLLM_CPU_KVCACHE_SPACE sets it)", kv / kv_cache.GiB,
                  " per rank" if size > 1 else "", how)
 
-    def _allocate_kv_cache(self) -> tuple[int, torch.Tensor, kv_cache.Populator | None]:
+    def _allocate_kv_cache(self) -> tuple[int, torch.Tensor, tuple]:
         layers = self.model.attention_layers
         own = kv_cache.block_bytes(layers, self.kv_dtype, self.block_size)
         blocks = kv_cache.num_blocks(self.config, kv_cache.largest_block_bytes(own, self.tp))
@@ -237,7 +237,8 @@ class ModelRunner:
                                           f"{used / kv_cache.GiB:.2f} GiB in use,", used + blocks * own,
                                           self.memory_limit)
         mode = pages.populate_mode(self.config.kv_populate)
-        return blocks, *kv_cache.allocate(layers, blocks, self.block_size, self.kv_dtype, mode)
+        huge = pages.hugepages_mode(self.config.weight_hugepages) != "off"
+        return blocks, *kv_cache.allocate(layers, blocks, self.block_size, self.kv_dtype, mode, huge)
 
     def _abort_ranks(self, e: BaseException) -> None:
         """A failed load on rank 0 stops the other ranks; their own error, if one failed, is raised instead."""

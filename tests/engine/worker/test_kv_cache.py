@@ -43,8 +43,8 @@ def test_fit_check_names_the_node_and_the_numbers():
 
 def test_allocate_binds_views_to_the_layers():
     ls = layers()
-    cache, populator = kv_cache.allocate(ls, 4, 16, torch.bfloat16)
-    assert cache.shape == (3, 2, 4, 2, 16, 8) and cache.dtype == torch.bfloat16 and populator is None
+    cache, idle = kv_cache.allocate(ls, 4, 16, torch.bfloat16)
+    assert cache.shape == (3, 2, 4, 2, 16, 8) and cache.dtype == torch.bfloat16 and idle == ()
     ls[2].v_cache.fill_(1.5)
     assert cache[2, 1].eq(1.5).all() and cache[2, 0].data_ptr() == ls[2].k_cache.data_ptr()
 
@@ -96,11 +96,48 @@ def test_allocate_populates_all_a_head_or_nothing(monkeypatch, mode):
     ls = layers(n=2, kv_heads=3, head_dim=64)
     block = 2 * 2 * 3 * 16 * 64 * 4  # every layer's keys and values of one float32 block
     monkeypatch.setattr(kv_cache, "HEAD_BYTES", 5 * block)
-    cache, p = kv_cache.allocate(ls, 300, 16, torch.float32, mode)  # 28 MiB
+    cache, idle = kv_cache.allocate(ls, 300, 16, torch.float32, mode)  # 28 MiB
     assert cache.shape == (2, 2, 300, 3, 16, 64)
-    if mode == "idle":
-        assert p is not None and p.next == 5 and p.pending
+    if mode == "idle":  # the rest populated, then the whole cache collapsed into huge pages
+        p, c = idle
+        assert isinstance(p, kv_cache.Populator) and p.next == 5 and p.pending
+        assert isinstance(c, pages.Collapser) and c.what == "KV cache" and cache.data_ptr() % pages.HUGE == 0
+        assert c.pages == [cache.data_ptr() + i * pages.HUGE for i in range(-(-cache.numel() * 4 // pages.HUGE))]
     else:
-        assert p is None
+        assert idle == ()
     if mode == "start":
         assert resident(cache.data_ptr(), cache.numel() * 4) >= cache.numel() * 4 - 2 * mmap.PAGESIZE
+
+
+def test_idle_time_populates_the_cache_then_turns_it_into_huge_pages_and_keeps_every_byte(monkeypatch):
+    from cpuserve.worker.idle import IdleWork
+    from tests.engine.platform.test_pages import advised, huge_bytes
+
+    monkeypatch.setattr(kv_cache, "HEAD_BYTES", 1 << 20)
+    ls = layers(n=2, kv_heads=3, head_dim=64)
+    cache, idle = kv_cache.allocate(ls, 700, 16, torch.bfloat16, "idle")  # 33 MiB: 17 huge pages
+    nbytes = cache.numel() * 2
+    assert [type(p) for p in idle] == [kv_cache.Populator, pages.Collapser]
+    assert not advised(cache.data_ptr())
+    ls[1].v_cache[650].fill_(-3.25)  # blocks in use before their turn
+    ls[0].k_cache[3].fill_(0.5)
+    work = IdleWork(*idle)
+    budget = iter([True] * 2)
+    work.run_while(lambda: next(budget, False))  # a request comes: the rest waits
+    assert work.pending and idle[1].next == 0
+    work.run_while(lambda: True)
+    assert not work.pending and resident(cache.data_ptr(), nbytes) == nbytes
+    if idle[1].error is None:  # Linux 6.1+: MADV_COLLAPSE
+        assert huge_bytes(cache.data_ptr()) >= nbytes // pages.HUGE * pages.HUGE
+    else:
+        assert advised(cache.data_ptr())
+    assert ls[1].v_cache[650].eq(-3.25).all() and ls[0].k_cache[3].eq(0.5).all()
+    assert cache[0, 0, 4:].count_nonzero() == 0
+
+
+def test_no_huge_pages_for_the_cache_when_they_are_turned_off():
+    cache, idle = kv_cache.allocate(layers(n=2, kv_heads=3, head_dim=64), 700, 16, torch.bfloat16, "idle",
+                                    hugepages=False)
+    assert idle == ()  # (all 33 MiB populated before ready: no populator left either)
+    cache, idle = kv_cache.allocate(layers(n=2, kv_heads=3, head_dim=64), 700, 16, torch.bfloat16, "idle")
+    assert [type(p) for p in idle] == [pages.Collapser]

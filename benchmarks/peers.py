@@ -226,6 +226,9 @@ def serve(engine: str, dtype: str, hf_dir: Path, gguf: Path) -> dict:
     stop(proc)
     proc, url, warm = start(engine, dtype, hf_dir, gguf)
     try:
+        # cpuserve's levels start once its start-up work left for idle time is done (the peers do
+        # theirs before they are ready): every engine measured as it runs from then on
+        settled = serving.wait_settled(url) if engine == "cpuserve" else None
         # the same client for all; cpuserve's own server also reports its step counters and API CPU
         pid = proc.pid if engine == "cpuserve" else None
         levels = [asyncio.run(serving.level(url, c, prompts, keepalive=False, server_pid=pid)) for c in LEVELS]
@@ -234,7 +237,7 @@ def serve(engine: str, dtype: str, hf_dir: Path, gguf: Path) -> dict:
         raise RuntimeError(f"{e}; server log: {proc.log.read().decode(errors='replace')[-1500:]}") from e
     finally:
         stop(proc)
-    return {"ready_cold_s": cold, "ready_warm_s": warm, "levels": levels}
+    return {"ready_cold_s": cold, "ready_warm_s": warm, "settled_s": settled, "levels": levels}
 
 
 # -- the run and the report -------------------------------------------------------------------------
@@ -398,7 +401,9 @@ def serving_table(serving: dict) -> list[str]:
     lines = ["", "Serving (`serving.py`'s aiohttp client: 128-token prompts of random ids, 128 greedy output "
              "tokens, C concurrent streams back to back, a new connection per request; vLLM's OpenAI server and "
              "`llama-server --parallel 16`; client CPU: the client's own CPU a token, on the CPUs the server "
-             "uses):", "",
+             "uses). The levels start on a settled server: cpuserve's once its `/metrics` says the start-up work "
+             "it leaves for idle time is done (huge pages for the weights and KV cache, the cache's pages "
+             "populated; how long after ready in brackets), the peers' when ready (they do theirs before):", "",
              "| engine | ready s cold / warm | C | out tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | client CPU us/token |",
              "|---|---|---|---|---|---|---|"]
     for name, r in serving.items():
@@ -406,7 +411,8 @@ def serving_table(serving: dict) -> list[str]:
             lines.append(f"| {name} | failed: {failure(r['error'])} | | | | | |")
             continue
         for lv in r["levels"]:
-            lines.append(f"| {name} | {r['ready_cold_s']:.1f} / {r['ready_warm_s']:.1f} | {lv['concurrency']} | "
+            settled = f" (+{r['settled_s']:.1f})" if r.get("settled_s") is not None else ""
+            lines.append(f"| {name} | {r['ready_cold_s']:.1f} / {r['ready_warm_s']:.1f}{settled} | {lv['concurrency']} | "
                          f"{lv['tok_s']:.1f} | {lv['ttft_p50']:.0f} / {lv['ttft_p99']:.0f} | "
                          f"{lv['itl_p50']:.1f} / {lv['itl_p99']:.1f} | {client_cpu(lv)} |")
     return lines

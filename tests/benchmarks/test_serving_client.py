@@ -76,3 +76,28 @@ def test_a_stream_without_text_is_an_error():
 def test_a_refused_request_fails_the_level():
     with pytest.raises(aiohttp.ClientResponseError):
         asyncio.run(served(sse_app(["a"], status=503)[0], lambda url: serving.level(url, 1, [[1]], output_len=1)))
+
+
+def metrics_app(pages: list[str]) -> web.Application:
+    """/metrics answering the given pages in turn (the last one from then on)."""
+    calls = []
+
+    async def metrics(request: web.Request) -> web.Response:
+        calls.append(1)
+        return web.Response(text=pages[min(len(calls), len(pages)) - 1])
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def test_levels_wait_for_the_start_up_work_of_a_server_that_reports_it():
+    pending, done = ('cpuserve:startup_work_pending{model_name="m"} %s\n' % v for v in ("1.0", "0.0"))
+    waited = asyncio.run(served(metrics_app([pending, pending, done]),
+                                lambda url: asyncio.to_thread(serving.wait_settled, url)))
+    assert waited >= 0.4  # two pending answers, 0.2 s apart
+    other = asyncio.run(served(metrics_app(["vllm:num_requests_running 0.0\n"]),
+                               lambda url: asyncio.to_thread(serving.wait_settled, url)))
+    assert other is None
+    with pytest.raises(RuntimeError, match="start-up work was not done 1 s after it was ready"):
+        asyncio.run(served(metrics_app([pending]), lambda url: asyncio.to_thread(serving.wait_settled, url, 1)))

@@ -60,6 +60,7 @@ def run_engine_core(config, sock) -> None:
         send(FATAL, f"{type(e).__name__}: {e}")
         sys.exit(1)
     try:
+        send(OUTPUTS, [], core.snapshot_stats())  # (whether start-up work is left for idle time)
         busy_loop(core, channel, parent)
     except ConnectionError:  # a send to an API process that is gone
         log.error("API process is gone: engine core exiting")
@@ -100,6 +101,8 @@ def busy_loop(core, channel, parent: int) -> None:
             send(OUTPUTS, outputs, core.snapshot_stats())
         elif left and quiet:
             idle.run_while(lambda: not channel.poll(0))
+            if not idle.pending:  # settled: the API process's /metrics says so
+                send(OUTPUTS, [], core.snapshot_stats())
 
 
 def handle(core, send, kind: str, *payload) -> bool:

@@ -168,4 +168,5 @@ class EngineCore:
         s.prefix_cache_queries = self.block_manager.prefix_queries
         s.prefix_cache_hits = self.block_manager.prefix_hits
         s.num_preemptions = self.scheduler.num_preemptions
+        s.startup_work_pending = self.runner.idle_work.pending
         return s

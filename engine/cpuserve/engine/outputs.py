@@ -66,6 +66,10 @@ class CoreStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
+    # start-up work left for the engine's idle time (worker/idle.py; rank 0's) not yet done:
+    # until then the weights and the KV cache are not all on their huge pages. True until the
+    # core says otherwise.
+    startup_work_pending: bool = True
     # by step kind (STEP_KINDS), since the start: steps, their wall seconds (scheduling, the model,
     # sampling and the outputs' bookkeeping) and the tokens they ran (prompt tokens + decode rows)
     kind_steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STEP_KINDS, 0))

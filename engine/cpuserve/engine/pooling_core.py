@@ -64,6 +64,7 @@ class PoolingCore:
     def snapshot_stats(self) -> CoreStats:
         s = self.stats
         s.num_running, s.num_waiting = 0, len(self.waiting)
+        s.startup_work_pending = self.runner.idle_work.pending
         return s
 
 

@@ -61,3 +61,18 @@ def test_counters_round_trip_through_the_metrics_page():
     assert abs(got["decode"]["seconds"] - 0.05) < 1e-9
     assert got["mixed"]["steps"] == 1 and got["mixed"]["tokens"] == 266 and abs(got["mixed"]["seconds"] - 0.15) < 1e-9
     assert got["prefill"]["steps"] == 0
+
+
+def test_startup_work_gauge_is_1_until_the_core_says_it_is_done():
+    from prometheus_client import generate_latest
+
+    from cpuserve.entrypoints.openai.metrics import Metrics, startup_pending
+    m, s = Metrics("smollm2"), CoreStats()
+    assert startup_pending(generate_latest(m.registry).decode()) is True  # no snapshot yet: not known done
+    m.update_stats(s)  # the API process's view before the core's first snapshot: pending
+    assert startup_pending(generate_latest(m.registry).decode()) is True
+    s.startup_work_pending = False
+    m.update_stats(s)
+    page = generate_latest(m.registry).decode()
+    assert 'cpuserve:startup_work_pending{model_name="smollm2"} 0.0' in page and startup_pending(page) is False
+    assert startup_pending("vllm:num_requests_running 0.0\n") is None

@@ -42,7 +42,12 @@ class Metrics:
                                     kind, registry=r)
         self.kind_tokens = Counter("cpuserve:engine_step_tokens", "Tokens the engine's steps ran by kind "
                                    "(prompt tokens and decode rows)", kind, registry=r)
+        self.startup_pending = Gauge("cpuserve:startup_work_pending", "1 while start-up work left for the "
+                                     "engine's idle time is not done (the weights' and KV cache's huge pages, "
+                                     "the KV cache's pages populated): a steady-state benchmark waits for 0",
+                                     lbl, registry=r)
         self.labels = {"model_name": model_name}
+        self.startup_pending.labels(**self.labels).set(1)  # until the core's first snapshot says
         for counter in (self.kind_steps, self.kind_seconds, self.kind_tokens):
             for k in STEP_KINDS:  # every kind's series from the start, at zero
                 counter.labels(kind=k, **self.labels)
@@ -56,6 +61,7 @@ class Metrics:
         self.running.labels(**L).set(s.num_running)
         self.waiting.labels(**L).set(s.num_waiting)
         self.kv_usage.labels(**L).set(s.kv_cache_usage)
+        self.startup_pending.labels(**L).set(int(s.startup_work_pending))
         for key, counter, value in (("queries", self.prefix_queries, s.prefix_cache_queries),
                                     ("hits", self.prefix_hits, s.prefix_cache_hits),
                                     ("preempt", self.preemptions, s.num_preemptions),
@@ -96,6 +102,16 @@ class RequestTimer:
         self.m.e2e_m.observe(time.monotonic() - self.start)
         for r in reasons:
             self.m.request_success.labels(finished_reason=r or "abort", **self.m.labels).inc()
+
+
+def startup_pending(exposition: str) -> bool | None:
+    """Whether a /metrics page's cpuserve:startup_work_pending says start-up work is left for the
+    engine's idle time; None where the page has no such gauge (another server)."""
+    for line in exposition.splitlines():
+        name, _, rest = line.partition("{")
+        if name == "cpuserve:startup_work_pending":
+            return float(rest.rpartition("}")[2]) != 0
+    return None
 
 
 def step_totals(exposition: str) -> dict[str, dict[str, float]]:

@@ -335,11 +335,15 @@ def test_kv_cache_is_populated_and_weights_get_huge_pages_while_idle_and_answers
     pages; while no request runs the weights are turned into huge pages (MADV_COLLAPSE, Linux
     6.1+; before, advised for khugepaged), the rest of the cache (here 768 MiB) is populated,
     and committed: the engine core's resident memory ends above the weights (~620 MiB as
-    float32) plus the whole 1 GiB cache; then the cache is turned into huge pages too."""
+    float32) plus the whole 1 GiB cache; then the cache is turned into huge pages too. /metrics
+    says when all that is done (cpuserve:startup_work_pending 1, then 0)."""
+    from cpuserve.entrypoints.openai.metrics import startup_pending
+
     s = Server()
     try:
         body = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
         first = post(s, "/v1/completions", body).json()["choices"][0]["text"]
+        assert startup_pending(httpx.get(s.url + "/metrics").text) is True
         deadline = time.monotonic() + 120
         done = ("KV cache: 1024 MiB on huge pages", "KV cache: MADV_COLLAPSE stopped")
         while not any(line in s.output() for line in done) and time.monotonic() < deadline:
@@ -356,6 +360,9 @@ def test_kv_cache_is_populated_and_weights_get_huge_pages_while_idle_and_answers
             with open(f"/proc/{core[0].pid}/smaps_rollup") as f:
                 huge = next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
             assert huge >= (int(collapsed[1]) - 2 + 1024) * 1024  # kB
+        while startup_pending(httpx.get(s.url + "/metrics").text) and time.monotonic() < deadline:
+            time.sleep(0.2)  # (the core's snapshot follows its log line)
+        assert startup_pending(httpx.get(s.url + "/metrics").text) is False
         assert post(s, "/v1/completions", body).json()["choices"][0]["text"] == first
     finally:
         s.stop()

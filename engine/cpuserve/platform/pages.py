@@ -159,9 +159,10 @@ class HugeArena:
 
 class Collapser:
     """Turns memory on 4 KiB pages (the weights as loaded, the KV cache as populated) into 2 MiB
-    pages while the engine is idle, a huge page at a time in the order they were placed (MADV_COLLAPSE: the kernel copies each 2 MiB into a
-    huge page it finds; the contents stay). The last, partly used page of a region is collapsed
-    too: at most 2 MiB of zeros a region, as faulting huge pages in at load would have taken. A
+    pages while the engine is idle, a huge page at a time in the order they were placed
+    (MADV_COLLAPSE: the kernel copies each 2 MiB into a huge page it finds; the contents stay).
+    The last, partly used page of a region is collapsed too: at most 2 MiB of zeros a region,
+    as faulting huge pages in at load would have taken. A
     kernel without MADV_COLLAPSE (before 6.1) gets every span advised MADV_HUGEPAGE instead, for
     khugepaged to collapse in its own time; one out of huge pages, the same. `spans`: (tensor
     starting on a 2 MiB boundary, bytes of it to collapse); `what` names them in the log."""

@@ -34,6 +34,16 @@ namespace {
 // gained less or lost.
 [[gnu::always_inline]] inline void prefetch_nta(const void* p) { __builtin_prefetch(p, 0, 0); }
 
+// The first line of each 4 KiB page of the n elements at p, fetched into L2: bytes read soon as a
+// run of pages (a whole-sequence decode item's next tiles, attention.hpp whole_sequences), so that
+// the pages' translations and the hardware's streams over them start before the loads get there;
+// the lines between are left to those streams.
+template <typename T>
+inline void fetch_pages(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t o = 0; o < n * static_cast<int64_t>(sizeof(T)); o += 4096) prefetch_l2(c + o);
+}
+
 // The lines of the n floats at p, asked for to be written (a tile of a GEMM's output before its
 // dot products, so that its stores at their end do not miss: int8.hpp; gemm.hpp's micro-kernel
 // has the same loop written in itself, see kFetchTileOfC there).

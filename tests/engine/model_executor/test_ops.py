@@ -297,6 +297,32 @@ def test_paged_attention_decode_heads_split_or_whole(kern, dtype):
     torch.testing.assert_close(outs[0], want, rtol=2e-5, atol=2e-5 + prob)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_paged_attention_decode_whole_sequences_or_kv_heads(kern, dtype, block_size):
+    """Eight decode rows take one item a sequence, its kv heads block by block, on one thread, and an
+    item a kv head on sixteen (attention.hpp whole_sequences): the same bits either way, each row's
+    bits those of the row decoded alone, and the reference's values. Contexts end inside blocks, on
+    their ends and one past them."""
+    ctx = [150, 37, 16, 129, 1, 300, 64, 200]
+    q, kc, vc, tables, seq_lens, qsl, hq = _attention_case(dtype, block_size, 3, 64, [1] * len(ctx), ctx, 4)
+    threads = _C.omp_max_threads()
+    try:
+        outs = []
+        for n in (1, 16):
+            _C.omp_set_num_threads(n)
+            outs.append(ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, hq, 0.125, k=kern))
+        alone = [ops.paged_attention(q[i:i + 1], kc, vc, tables[i:i + 1], seq_lens[i:i + 1], qsl[:2], hq, 0.125, k=kern)
+                 for i in range(len(ctx))]
+    finally:
+        _C.omp_set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], torch.cat(alone))
+    pairs = kern.bf16_dot and dtype == torch.bfloat16
+    want = ref.paged_attention(q, kc, vc, tables, seq_lens, qsl, hq, 0.125, bf16_inputs=pairs)
+    prob = ref.BF16_PROBABILITY_ERROR * float(vc.float().abs().max()) if pairs else 0.0
+    torch.testing.assert_close(outs[0], want, rtol=2e-5, atol=2e-5 + prob)
+
+
 @pytest.mark.parametrize("dtype", STORAGE)
 # 1-8 rows run in one pass over the weights (gemm.hpp kPassRows); K = 4,200: K blocks (gemm.hpp
 # k_block) where the L2 is at most 2 MiB (float32), 1 MiB (bfloat16); bfloat16 pairs on vdpbf16ps take

@@ -282,19 +282,30 @@ def test_paged_attention_decode_heads_split_or_whole(kern, dtype):
     whole groups would leave most threads idle (attention.hpp split_decode_heads: one thread keeps
     them whole, sixteen split them): the same bits either way, and the reference's values."""
     q, kc, vc, tables, seq_lens, qsl, hq = _attention_case(dtype, 16, 4, 64, [1, 1], [150, 37], 2)
+    outs = _on_threads((1, 16), lambda: ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, hq, 0.125, k=kern))
+    assert torch.equal(outs[0], outs[1])
+    _assert_reference_decode(kern, dtype, outs[0], q, kc, vc, tables, seq_lens, qsl, hq)
+
+
+def _on_threads(counts, fn) -> list:
+    """fn() run with each OpenMP thread count in turn, the count restored after."""
     threads = _C.omp_max_threads()
     try:
         outs = []
-        for n in (1, 16):
+        for n in counts:
             _C.omp_set_num_threads(n)
-            outs.append(ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, hq, 0.125, k=kern))
+            outs.append(fn())
+        return outs
     finally:
         _C.omp_set_num_threads(threads)
-    assert torch.equal(outs[0], outs[1])
+
+
+def _assert_reference_decode(kern, dtype, got, q, kc, vc, tables, seq_lens, qsl, hq):
+    """got: the reference's values at scale 0.125 (on the pair path, within its bfloat16 probabilities' error)."""
     pairs = kern.bf16_dot and dtype == torch.bfloat16
     want = ref.paged_attention(q, kc, vc, tables, seq_lens, qsl, hq, 0.125, bf16_inputs=pairs)
     prob = ref.BF16_PROBABILITY_ERROR * float(vc.float().abs().max()) if pairs else 0.0
-    torch.testing.assert_close(outs[0], want, rtol=2e-5, atol=2e-5 + prob)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 + prob)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -306,21 +317,12 @@ def test_paged_attention_decode_whole_sequences_or_kv_heads(kern, dtype, block_s
     their ends and one past them."""
     ctx = [150, 37, 16, 129, 1, 300, 64, 200]
     q, kc, vc, tables, seq_lens, qsl, hq = _attention_case(dtype, block_size, 3, 64, [1] * len(ctx), ctx, 4)
-    threads = _C.omp_max_threads()
-    try:
-        outs = []
-        for n in (1, 16):
-            _C.omp_set_num_threads(n)
-            outs.append(ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, hq, 0.125, k=kern))
-        alone = [ops.paged_attention(q[i:i + 1], kc, vc, tables[i:i + 1], seq_lens[i:i + 1], qsl[:2], hq, 0.125, k=kern)
-                 for i in range(len(ctx))]
-    finally:
-        _C.omp_set_num_threads(threads)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], torch.cat(alone))
-    pairs = kern.bf16_dot and dtype == torch.bfloat16
-    want = ref.paged_attention(q, kc, vc, tables, seq_lens, qsl, hq, 0.125, bf16_inputs=pairs)
-    prob = ref.BF16_PROBABILITY_ERROR * float(vc.float().abs().max()) if pairs else 0.0
-    torch.testing.assert_close(outs[0], want, rtol=2e-5, atol=2e-5 + prob)
+    outs = _on_threads((1, 16), lambda: ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, hq, 0.125, k=kern))
+    alone = _on_threads((16,), lambda: torch.cat([
+        ops.paged_attention(q[i:i + 1], kc, vc, tables[i:i + 1], seq_lens[i:i + 1], qsl[:2], hq, 0.125, k=kern)
+        for i in range(len(ctx))]))[0]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], alone)
+    _assert_reference_decode(kern, dtype, outs[0], q, kc, vc, tables, seq_lens, qsl, hq)
 
 
 @pytest.mark.parametrize("dtype", STORAGE)

@@ -19,7 +19,9 @@ Workloads (benchmarks/peer_offline.py for the Python engines): offline 64 x 128/
 with EOS ignored; batch-1 decode ms/token; a 2,048-token prompt's prefill; serving at
 concurrency 1/4/16/64 (benchmarks/serving.py's client); start to first /health 200 (cold:
 the first start in this run, warm: the next); peak RSS. Every figure is min/median over
-REPEATS runs. Writes docs/bench/PEERS.md, peers.json and peers.png.
+REPEATS runs; cpuserve's and vLLM's offline runs on the same weights take turns (taking_turns),
+and so do the batch-1 runs of cpuserve and llama.cpp (alternating_batch1). Writes
+docs/bench/PEERS.md, peers.json and peers.png.
 """
 from __future__ import annotations
 
@@ -267,6 +269,26 @@ def repeated(fn, n: int = REPEATS) -> dict:
             if all(isinstance(r.get(k), (int, float)) for r in runs)}
 
 
+def taking_turns(engines: dict, n: int = REPEATS) -> dict:
+    """repeated() for engines that take turns run by run (A, B, A, B, ...): each of a ratio's
+    pairs of runs meets the same minutes of this machine, which one engine's runs after the
+    other's cannot promise (a peer's offline level moved 1.27x between two sittings an hour apart
+    on 2026-12-03, ours 1.19x). {name: {key: [min, median], ..., "rounds": [{key: figure}, ...]
+    in order}}: every round is kept, so that each round's ratio can be read."""
+    runs: dict[str, list[dict]] = {name: [] for name in engines}
+    before = read_gbs()  # one probe between two runs serves both
+    for _ in range(n):
+        for name, fn in engines.items():
+            r = fn()
+            after = read_gbs()
+            runs[name].append({**r, "read_gbs": max(before, after)})
+            before = after
+    return {name: {**{k: [min(r[k] for r in rs), statistics.median(r[k] for r in rs)] for k in rs[0]
+                      if all(isinstance(r.get(k), (int, float)) for r in rs)},
+                   "rounds": [{k: v for k, v in r.items() if isinstance(v, (int, float))} for r in rs]}
+            for name, rs in runs.items()}
+
+
 def attempt(results: dict, key: str, fn) -> None:
     print(f"[peers] {key} ...", flush=True)
     try:
@@ -314,20 +336,37 @@ def main() -> None:
     gguf, hf_dir = models()
     res["machine"] = here
 
+    def chosen(section: str, key: str) -> bool:
+        return not only or (section, key) in only
+
+    def rerun_at(section: str, key: str) -> None:
+        if only:  # the report says which rows are not from the full run, and when they ran
+            when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+            res.setdefault("reruns", {})[f"{section}:{key}"] = f"{when}, {commit()}"
+
     def run(section: str, key: str, fn) -> None:
-        if not only or (section, key) in only:
+        if chosen(section, key):
             attempt(res[section] if section != "top" else res, key, fn)
-            if only:  # the report says which rows are not from the full run, and when they ran
-                when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-                res.setdefault("reruns", {})[f"{section}:{key}"] = f"{when}, {commit()}"
+            rerun_at(section, key)
+
+    def run_in_turns(engines: dict) -> None:
+        """The offline rows of engines on the same weights, taking turns (taking_turns)."""
+        engines = {key: fn for key, fn in engines.items() if chosen("offline", key)}
+        if not engines:
+            return
+        label, both = " / ".join(engines), {}
+        attempt(both, label, lambda: taking_turns(engines))
+        for key in engines:  # each row its own figures, or the pair's failure
+            res["offline"][key] = both[label].get(key, both[label])
+            rerun_at("offline", key)
     off = res["offline"]
-    for dtype in ("float32", "bfloat16"):
-        run("offline", f"cpuserve {dtype}", lambda: repeated(lambda: python_offline("cpuserve", dtype, gguf)))
-        run("offline", f"vLLM {dtype}", lambda: repeated(lambda: python_offline("vllm", dtype, hf_dir)))
     from cpuserve.entrypoints.quantize import default_w8a8
     w8a8 = default_w8a8()
-    run("offline", "cpuserve W8A8", lambda: repeated(lambda: python_offline("cpuserve", "w8a8", w8a8)))
-    run("offline", "vLLM W8A8", lambda: repeated(lambda: python_offline("vllm", "w8a8", w8a8)))
+    for dtype, model in (("float32", gguf), ("bfloat16", gguf), ("w8a8", w8a8)):
+        name = "W8A8" if dtype == "w8a8" else dtype
+        peer_model = w8a8 if dtype == "w8a8" else hf_dir
+        run_in_turns({f"cpuserve {name}": lambda d=dtype, m=model: python_offline("cpuserve", d, m),
+                      f"vLLM {name}": lambda d=dtype, m=peer_model: python_offline("vllm", d, m)})
     run("offline", "transformers float32", lambda: repeated(lambda: python_offline("transformers", "float32", hf_dir,
                                                                                    skip_prefill=True), 1))
     for kind, f in llama_files(gguf).items():
@@ -387,6 +426,25 @@ def offline_rows(off: dict) -> list[str]:
         lines.append(f"| {name} | {fmt(r.get('offline_tok_s'))} | {fmt(r.get('batch1_ms'), 2)} | "
                      f"{fmt(r.get('prefill_2048_s'), 2)} | {fmt(r.get('ready_s'), 1)} | {fmt(r.get('peak_rss_mib'), 0)} | "
                      f"{rat if not name.startswith('cpuserve') or ' int8-act ' in name else ''} |")
+    return lines
+
+
+def turns_table(off: dict) -> list[str]:
+    """Each round of the offline rows that took turns (taking_turns): cpuserve's and the peer's out
+    tok/s in that round and their ratio, so that a ratio can be read pair of runs by pair of runs."""
+    pairs = [(name, counterpart(name)) for name, r in off.items() if not name.startswith("cpuserve")
+             and r.get("rounds") and len(off.get(counterpart(name), {}).get("rounds", [])) == len(r["rounds"])]
+    if not pairs:
+        return []
+    lines = ["", "Offline, each peer and cpuserve on the same weights taking turns run by run (cpuserve, then the "
+             "peer, in each round), so that each pair of runs meets the same minutes of this machine: out tok/s of "
+             "each round and its ratio:", "",
+             "| engines | each round: cpuserve / peer tok/s (ratio) | ratio of the rounds min / median |", "|---|---|---|"]
+    for peer, ours in pairs:
+        both = list(zip(off[ours]["rounds"], off[peer]["rounds"]))
+        rats = [a["offline_tok_s"] / b["offline_tok_s"] for a, b in both]
+        each = ", ".join(f"{a['offline_tok_s']:.1f} / {b['offline_tok_s']:.1f} ({r:.2f}x)" for (a, b), r in zip(both, rats))
+        lines.append(f"| {ours} / {peer} | {each} | {min(rats):.2f}x / {statistics.median(rats):.2f}x |")
     return lines
 
 
@@ -479,6 +537,7 @@ def report(res: dict) -> None:
              "ready s (warm) | peak RSS MiB | ratio: offline / batch-1 / prefill |",
              "|---|---|---|---|---|---|---|"]
     lines += offline_rows(off)
+    lines += turns_table(off)
     lines += alternating_table(res.get("batch1_alternating"))
     lines += serving_table(res["serving"])
     lines += served_steps_table(res["serving"])

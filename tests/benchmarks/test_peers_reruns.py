@@ -57,3 +57,29 @@ def test_w8a8_rows_pair_with_each_other_and_read_the_int8_weights():
            "vLLM W8A8": {"offline_tok_s": [800.0, 815.0], "batch1_ms": [11.3, 12.3], "prefill_2048_s": [0.86, 0.95]}}
     row = next(line for line in peers.offline_rows(off) if line.startswith("| vLLM W8A8 |"))
     assert row.endswith("| **1.78x** / **2.67x** / **1.67x** |"), row
+
+
+def test_engines_on_the_same_weights_take_turns_run_by_run(monkeypatch):
+    order, probes = [], iter(range(100))
+    monkeypatch.setattr(peers, "read_gbs", lambda: 30.0 + next(probes))
+    tok = {"ours": iter([300.0, 340.0, 320.0]), "theirs": iter([200.0, 250.0, 240.0])}
+
+    def engine(name):
+        def fn():
+            order.append(name)
+            return {"offline_tok_s": next(tok[name]), "note": "text"}
+        return fn
+    both = peers.taking_turns({"cpuserve float32": engine("ours"), "vLLM float32": engine("theirs")}, n=3)
+    assert order == ["ours", "theirs"] * 3
+    assert both["cpuserve float32"]["offline_tok_s"] == [300.0, 320.0]
+    assert both["vLLM float32"]["offline_tok_s"] == [200.0, 240.0]
+    # each run's bandwidth: the better of the probes just before and after it, one probe between two runs
+    assert [r["read_gbs"] for r in both["cpuserve float32"]["rounds"]] == [31.0, 33.0, 35.0]
+    assert [r["read_gbs"] for r in both["vLLM float32"]["rounds"]] == [32.0, 34.0, 36.0]
+    assert "note" not in both["vLLM float32"] and "note" not in both["vLLM float32"]["rounds"][0]
+    table = peers.turns_table(both)
+    row = next(line for line in table if line.startswith("| cpuserve float32 / vLLM float32 |"))
+    assert "300.0 / 200.0 (1.50x), 340.0 / 250.0 (1.36x), 320.0 / 240.0 (1.33x)" in row
+    assert row.endswith("| 1.33x / 1.36x |")
+    # rows run one engine after the other (a stored run from before turns) have no rounds table
+    assert peers.turns_table({k: {**v, "rounds": []} for k, v in both.items()}) == []

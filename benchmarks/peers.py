@@ -20,7 +20,8 @@ with EOS ignored; batch-1 decode ms/token; a 2,048-token prompt's prefill; servi
 concurrency 1/4/16/64 (benchmarks/serving.py's client); start to first /health 200 (cold:
 the first start in this run, warm: the next); peak RSS. Every figure is min/median over
 REPEATS runs; cpuserve's and vLLM's offline runs on the same weights take turns (taking_turns),
-and so do the batch-1 runs of cpuserve and llama.cpp (alternating_batch1). Writes
+so do their float32 served levels (serve_in_turns) and the batch-1 runs of cpuserve and
+llama.cpp (alternating_batch1). Writes
 docs/bench/PEERS.md, peers.json and peers.png.
 """
 from __future__ import annotations
@@ -220,26 +221,100 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def serve(engine: str, dtype: str, hf_dir: Path, gguf: Path) -> dict:
+def served_prompts() -> list[list[int]]:
     import random
     rng = random.Random(0)
-    prompts = [[rng.randrange(100, 49000) for _ in range(serving.INPUT_LEN)] for _ in range(256)]
-    proc, url, cold = start(engine, dtype, hf_dir, gguf)
-    stop(proc)
-    proc, url, warm = start(engine, dtype, hf_dir, gguf)
-    try:
-        # cpuserve's levels start once its start-up work left for idle time is done (the peers do
-        # theirs before they are ready): every engine measured as it runs from then on
-        settled = serving.wait_settled(url) if engine == "cpuserve" else None
-        # the same client for all; cpuserve's own server also reports its step counters and API CPU
-        pid = proc.pid if engine == "cpuserve" else None
-        levels = [asyncio.run(serving.level(url, c, prompts, keepalive=False, server_pid=pid)) for c in LEVELS]
-    except Exception as e:
-        proc.log.seek(0)
-        raise RuntimeError(f"{e}; server log: {proc.log.read().decode(errors='replace')[-1500:]}") from e
-    finally:
+    return [[rng.randrange(100, 49000) for _ in range(serving.INPUT_LEN)] for _ in range(256)]
+
+
+class Served:
+    """A server started cold, stopped, started again (warm) and settled: cpuserve's levels start
+    once its start-up work left for idle time is done (the peers do theirs before they are ready),
+    so that every engine is measured as it runs from then on."""
+
+    def __init__(self, engine: str, dtype: str, hf_dir: Path, gguf: Path):
+        self.engine = engine
+        proc, _, self.cold = start(engine, dtype, hf_dir, gguf)
         stop(proc)
-    return {"ready_cold_s": cold, "ready_warm_s": warm, "settled_s": settled, "levels": levels}
+        self.proc, self.url, self.warm = start(engine, dtype, hf_dir, gguf)
+        try:
+            self.settled = self.guarded(lambda: serving.wait_settled(self.url)) if engine == "cpuserve" else None
+        except Exception:
+            stop(self.proc)
+            raise
+
+    def guarded(self, fn):
+        """fn(), a failure carrying the server's log."""
+        try:
+            return fn()
+        except Exception as e:
+            self.proc.log.seek(0)
+            raise RuntimeError(f"{e}; server log: {self.proc.log.read().decode(errors='replace')[-1500:]}") from e
+
+    def level(self, concurrency: int, prompts: list[list[int]]) -> dict:
+        """One level with the same client for all; cpuserve's own server also reports its step
+        counters and API CPU."""
+        pid = self.proc.pid if self.engine == "cpuserve" else None
+        return self.guarded(lambda: asyncio.run(serving.level(self.url, concurrency, prompts, keepalive=False,
+                                                              server_pid=pid)))
+
+    def result(self, levels: list[dict]) -> dict:
+        return {"ready_cold_s": self.cold, "ready_warm_s": self.warm, "settled_s": self.settled, "levels": levels}
+
+
+def serve(engine: str, dtype: str, hf_dir: Path, gguf: Path) -> dict:
+    prompts = served_prompts()
+    s = Served(engine, dtype, hf_dir, gguf)
+    try:
+        return s.result([s.level(c, prompts) for c in LEVELS])
+    finally:
+        stop(s.proc)
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU time so far of a process and every process below it (a server's engine
+    and worker processes); processes that end meanwhile drop out."""
+    parent: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    tree, grew = {pid}, True
+    while grew:
+        below = {p for p, pp in parent.items() if pp in tree} - tree
+        tree |= below
+        grew = bool(below)
+    total = 0.0
+    for p in tree:
+        try:
+            total += serving.cpu_seconds(p)
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def serve_in_turns(engines: dict, hf_dir: Path, gguf: Path) -> dict:
+    """Served levels of engines on the same weights taking turns level by level: every server up
+    (Served), then at each concurrency each engine's level in turn while the others wait idle, so
+    that both sides of a ratio meet the same minutes of this machine. Each level keeps the CPU
+    seconds the idle servers used meanwhile (`idle_cpu_s`): what they took from the measured one.
+    {name: serve()'s result}."""
+    prompts, up = served_prompts(), {}
+    try:
+        for name, (engine, dtype) in engines.items():
+            up[name] = Served(engine, dtype, hf_dir, gguf)
+        levels: dict[str, list[dict]] = {name: [] for name in up}
+        for c in LEVELS:
+            for name, s in up.items():
+                idle = [o.proc.pid for n, o in up.items() if n != name]
+                cpu0 = sum(map(tree_cpu_seconds, idle))
+                lv = s.level(c, prompts)
+                levels[name].append({**lv, "idle_cpu_s": sum(map(tree_cpu_seconds, idle)) - cpu0})
+        return {name: s.result(levels[name]) for name, s in up.items()}
+    finally:
+        for s in up.values():
+            stop(s.proc)
 
 
 # -- the run and the report -------------------------------------------------------------------------
@@ -349,24 +424,25 @@ def main() -> None:
             attempt(res[section] if section != "top" else res, key, fn)
             rerun_at(section, key)
 
-    def run_in_turns(engines: dict) -> None:
-        """The offline rows of engines on the same weights, taking turns (taking_turns)."""
-        engines = {key: fn for key, fn in engines.items() if chosen("offline", key)}
+    def run_in_turns(section: str, engines: dict, together) -> None:
+        """The rows of engines on the same weights, taking turns: together(the chosen ones)."""
+        engines = {key: spec for key, spec in engines.items() if chosen(section, key)}
         if not engines:
             return
         label, both = " / ".join(engines), {}
-        attempt(both, label, lambda: taking_turns(engines))
+        attempt(both, label, lambda: together(engines))
         for key in engines:  # each row its own figures, or the pair's failure
-            res["offline"][key] = both[label].get(key, both[label])
-            rerun_at("offline", key)
+            res[section][key] = both[label].get(key, both[label])
+            rerun_at(section, key)
     off = res["offline"]
     from cpuserve.entrypoints.quantize import default_w8a8
     w8a8 = default_w8a8()
     for dtype, model in (("float32", gguf), ("bfloat16", gguf), ("w8a8", w8a8)):
         name = "W8A8" if dtype == "w8a8" else dtype
         peer_model = w8a8 if dtype == "w8a8" else hf_dir
-        run_in_turns({f"cpuserve {name}": lambda d=dtype, m=model: python_offline("cpuserve", d, m),
-                      f"vLLM {name}": lambda d=dtype, m=peer_model: python_offline("vllm", d, m)})
+        run_in_turns("offline", {f"cpuserve {name}": lambda d=dtype, m=model: python_offline("cpuserve", d, m),
+                                 f"vLLM {name}": lambda d=dtype, m=peer_model: python_offline("vllm", d, m)},
+                     taking_turns)
     run("offline", "transformers float32", lambda: repeated(lambda: python_offline("transformers", "float32", hf_dir,
                                                                                    skip_prefill=True), 1))
     for kind, f in llama_files(gguf).items():
@@ -376,10 +452,11 @@ def main() -> None:
             run("offline", f"cpuserve int8-act {kind}",
                 lambda: repeated(lambda: python_offline("cpuserve", "gguf-int8", f)))
         run("offline", f"llama.cpp {kind}", lambda: repeated(lambda: llama_offline(f)))
-    for name, engine, dtype in (("cpuserve Q4_1", "cpuserve", "gguf"), ("cpuserve int8-act Q4_1", "cpuserve", "gguf-int8"),
-                                ("cpuserve float32", "cpuserve", "float32"),
-                                ("vLLM float32", "vllm", "float32"), ("llama.cpp Q4_1", "llama", "Q4_1")):
+    for name, engine, dtype in (("cpuserve Q4_1", "cpuserve", "gguf"), ("cpuserve int8-act Q4_1", "cpuserve", "gguf-int8")):
         run("serving", name, lambda: serve(engine, dtype, hf_dir, gguf))
+    run_in_turns("serving", {"cpuserve float32": ("cpuserve", "float32"), "vLLM float32": ("vllm", "float32")},
+                 lambda engines: serve_in_turns(engines, hf_dir, gguf))
+    run("serving", "llama.cpp Q4_1", lambda: serve("llama", "Q4_1", hf_dir, gguf))
     run("top", "batch1_alternating", lambda: alternating_batch1(gguf))
     from cpuserve.entrypoints import bench
     run("top", "roofline", lambda: bench.run(batch=64, tokens=32))
@@ -476,6 +553,21 @@ def serving_table(serving: dict) -> list[str]:
     return lines
 
 
+def served_turns_note(serving_rows: dict) -> list[str]:
+    """Which served rows took turns level by level (serve_in_turns), and how much CPU the idle
+    servers used meanwhile against the levels' wall time: the measure that they stayed idle."""
+    turns = {name: r for name, r in serving_rows.items() if "error" not in r
+             and r["levels"] and all("idle_cpu_s" in lv for lv in r["levels"])}
+    if not turns:
+        return []
+    worst = max((lv["idle_cpu_s"] / lv["wall_s"], lv["idle_cpu_s"], lv["wall_s"], name, lv["concurrency"])
+                for name, r in turns.items() for lv in r["levels"])
+    return ["", f"{' and '.join(turns)} took turns level by level, every server up and the others idle while one "
+            "was measured, so that both sides of a ratio meet the same minutes of this machine. The idle servers "
+            f"used at most {100 * worst[0]:.1f}% of a CPU meanwhile ({worst[1]:.2f} s of CPU in the {worst[2]:.1f} s "
+            f"of {worst[3]}'s level at C = {worst[4]})."]
+
+
 def served_steps_table(serving_rows: dict) -> list[str]:
     """Where cpuserve's served levels went (its server's step counters over each level, and the
     API process's CPU a token): what bounds the served rows, from the same run."""
@@ -540,6 +632,7 @@ def report(res: dict) -> None:
     lines += turns_table(off)
     lines += alternating_table(res.get("batch1_alternating"))
     lines += serving_table(res["serving"])
+    lines += served_turns_note(res["serving"])
     lines += served_steps_table(res["serving"])
     readme_tables.update("peers", lines[2:] + ["", "Command: `make bench-peers`; roofline, plots and JSON in "
                                                    "[docs/bench/PEERS.md](docs/bench/PEERS.md)."])

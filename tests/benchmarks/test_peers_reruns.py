@@ -83,3 +83,50 @@ def test_engines_on_the_same_weights_take_turns_run_by_run(monkeypatch):
     assert row.endswith("| 1.33x / 1.36x |")
     # rows run one engine after the other (a stored run from before turns) have no rounds table
     assert peers.turns_table({k: {**v, "rounds": []} for k, v in both.items()}) == []
+
+
+def test_served_levels_take_turns_level_by_level_with_every_server_up(monkeypatch):
+    events, clock = [], iter(float(x) for x in range(100))
+
+    class FakeServed:
+        def __init__(self, engine, dtype, hf_dir, gguf):
+            events.append(("up", engine))
+            self.proc = type("P", (), {"pid": len(events)})()
+
+        def level(self, c, prompts):
+            events.append(("level", self.proc.pid, c))
+            return {"concurrency": c, "wall_s": 10.0, "tok_s": 100.0}
+
+        def result(self, levels):
+            return {"levels": levels}
+    monkeypatch.setattr(peers, "Served", FakeServed)
+    monkeypatch.setattr(peers, "stop", lambda proc: events.append(("stop", proc.pid)))
+    monkeypatch.setattr(peers, "tree_cpu_seconds", lambda pid: next(clock))
+    monkeypatch.setattr(peers, "LEVELS", [1, 16])
+    both = peers.serve_in_turns({"cpuserve float32": ("cpuserve", "float32"), "vLLM float32": ("vllm", "float32")},
+                                None, None)
+    assert events == [("up", "cpuserve"), ("up", "vllm"), ("level", 1, 1), ("level", 2, 1), ("level", 1, 16),
+                      ("level", 2, 16), ("stop", 1), ("stop", 2)]
+    # the idle server's CPU read before and after each level (the fake clock adds 1 s between)
+    assert [lv["idle_cpu_s"] for lv in both["cpuserve float32"]["levels"]] == [1.0, 1.0]
+    note = peers.served_turns_note(both)
+    assert note[1].startswith("cpuserve float32 and vLLM float32 took turns level by level")
+    assert "at most 10.0% of a CPU meanwhile (1.00 s of CPU in the 10.0 s" in note[1]
+    # rows served one engine at a time have no note
+    assert peers.served_turns_note({"llama.cpp Q4_1": {"levels": [{"concurrency": 1, "wall_s": 9.0}]}}) == []
+
+
+def test_a_servers_cpu_counts_the_processes_below_it():
+    import os
+    import subprocess
+    import sys
+    burn = "import time\nwhile time.process_time() < 0.4: pass\nprint('done', flush=True)\ntime.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "done"
+        me = peers.serving.cpu_seconds(os.getpid())
+        assert peers.tree_cpu_seconds(os.getpid()) - me >= 0.35  # (clock ticks: 10 ms)
+        assert peers.tree_cpu_seconds(child.pid) >= 0.35
+    finally:
+        child.kill()
+        child.wait()

@@ -1,5 +1,5 @@
 """`make bench-peers`: cpuserve against vLLM's CPU backend, llama.cpp and transformers on the
-same model and the same workloads, one engine at a time, in one run on one machine.
+same model and the same workloads, in one run on one machine.
 
 Peers are installed by `hack/peers/install.sh` into a cache outside the clone
 (CPUSERVE_PEERS_CACHE, default ~/.cache/cpuserve-peers), tuned as their own docs say

@@ -335,13 +335,9 @@ def read_gbs() -> float:
 def repeated(fn, n: int = REPEATS) -> dict:
     """{key: [min, median]} over n runs of fn (a dict of figures), each with the read bandwidth
     probed just before and after it (the better of the two: what the machine offered meanwhile)."""
-    def probed() -> dict:
-        before = read_gbs()
-        r = fn()
-        return {**r, "read_gbs": max(before, read_gbs())}
-    runs = [probed() for _ in range(n)]
-    return {k: [min(r[k] for r in runs), statistics.median(r[k] for r in runs)] for k in runs[0]
-            if all(isinstance(r.get(k), (int, float)) for r in runs)}
+    figures = taking_turns({"": fn}, n)[""]
+    figures.pop("rounds")
+    return figures
 
 
 def taking_turns(engines: dict, n: int = REPEATS) -> dict:

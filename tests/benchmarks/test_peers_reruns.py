@@ -132,3 +132,10 @@ def test_a_servers_cpu_counts_the_processes_below_it():
     finally:
         child.kill()
         child.wait()
+
+
+def test_one_engine_repeated_keeps_min_and_median_without_rounds(monkeypatch):
+    probes, runs = iter(range(100)), iter([5.0, 3.0, 4.0])
+    monkeypatch.setattr(peers, "read_gbs", lambda: 30.0 + next(probes))
+    r = peers.repeated(lambda: {"batch1_ms": next(runs)}, n=3)
+    assert r == {"batch1_ms": [3.0, 4.0], "read_gbs": [31.0, 32.0]}

@@ -779,23 +779,41 @@ inline void attend_block_amx(const AttnShape s, const TileScratch& t, const Bloc
 #endif  // __AMX_BF16__
 #endif
 
+// `steps` of one block on the paths that read the tiles in place, bfloat16 pairs or the FMA path
+// widening in registers; false (nothing run) on the others, which widen a block into buffers or
+// take AMX tiles.
+template <typename T>
+inline bool attend_in_place(const AttnShape s, const TileScratch& t, const BlockView& b, const T* kt, const T* vt,
+                            AttnPath path, int steps = kAllSteps) {
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (path == AttnPath::pairs) {
+      attend_block_pairs(s, t, b, kt, vt, steps);
+      return true;
+    }
+  }
+#endif
+  if constexpr (kWidenInRegisters<T>) {
+    if (path == AttnPath::direct) {
+      attend_block(s, t, b, kt, vt, steps);
+      return true;
+    }
+  }
+  return false;
+}
+
 // One block of a work item (the cache tile at `tile`) on its dtype's path.
 template <typename T>
 inline void attend_tile_block(const AttnArgs<T>& a, const TileScratch& t, const BlockView& b, int64_t tile,
                               AttnPath path) {
   const T* kt = a.k_cache + tile;
   const T* vt = a.v_cache + tile;
-#ifdef __AVX512BF16__
-  if constexpr (std::is_same_v<T, bf16>) {
 #ifdef __AMX_BF16__
+  if constexpr (std::is_same_v<T, bf16>) {
     if (path == AttnPath::amx) return attend_block_amx(a, t, b, kt, vt);
-#endif
-    if (path == AttnPath::pairs) return attend_block_pairs(a, t, b, kt, vt);
   }
 #endif
-  if constexpr (kWidenInRegisters<T>) {
-    if (path == AttnPath::direct) return attend_block(a, t, b, kt, vt);
-  }
+  if (attend_in_place(a, t, b, kt, vt, path)) return;
   // float8, or scaled: widened to float once per block
   const int64_t d = a.d, bs = a.bs;
   if constexpr (kPairedCache<T>) {  // (a scaled bfloat16 cache: element by element, out of its pairs)
@@ -824,31 +842,13 @@ inline void attend_whole_block(const AttnArgs<T>& a, const TileScratch& t, const
   BlockView all = b;
   all.ng = g * w.nkv;
   auto each_head = [&](int steps) {
-    for (int64_t h = 0; h < w.nkv; ++h) {
-      const TileScratch th = t.heads(h * g, a.d, a.bs);
-      const T *kt = a.k_cache + tile + h * step, *vt = a.v_cache + tile + h * step;
-#ifdef __AVX512BF16__
-      if constexpr (std::is_same_v<T, bf16>) {
-        if (path == AttnPath::pairs) {
-          attend_block_pairs(a, th, b, kt, vt, steps);
-          continue;
-        }
-      }
-#endif
-      if constexpr (kWidenInRegisters<T>) attend_block(a, th, b, kt, vt, steps);
-    }
+    for (int64_t h = 0; h < w.nkv; ++h)
+      attend_in_place(a, t.heads(h * g, a.d, a.bs), b, a.k_cache + tile + h * step, a.v_cache + tile + h * step,
+                      path, steps);
   };
   fetch_pages(a.v_cache + tile, w.nkv * step);
   each_head(kScores);
-#ifdef __AVX512BF16__
-  if constexpr (std::is_same_v<T, bf16>) {
-    if (path == AttnPath::pairs) {
-      attend_block_pairs(a, t, all, a.k_cache, a.v_cache, kSoftmax);
-      return each_head(kValues);
-    }
-  }
-#endif
-  if constexpr (kWidenInRegisters<T>) attend_block(a, t, all, a.k_cache, a.v_cache, kSoftmax);
+  attend_in_place(a, t, all, a.k_cache, a.v_cache, path, kSoftmax);  // (the softmax reads no tile)
   each_head(kValues);
 }
 

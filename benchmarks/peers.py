@@ -589,15 +589,18 @@ def roofline_section(roof: dict, off: dict) -> list[str]:
     from cpuserve.entrypoints import bench
     mm = roof["machine"]
     peak = max(*mm["kernel_gflops"].values(), *mm["torch_gflops"].values())
+    arith = mm.get("arith_gflops") or {}
     lines = ["", "## Roofline", "", "```", bench.format_report(roof), "```", "",
              "Each system's batch-1 decode against the bandwidth bound of the bytes it reads per token at the "
              "read bandwidth probed just before and after its runs (median over the runs; this machine's "
              "bandwidth moves with its neighbours' load), and "
              "its offline throughput as GFLOP/s (2 x 134M params a token) against the best GEMM peak measured "
-             f"here, torch's or ours, any dtype ({peak:.0f} GFLOP/s):", "",
+             f"here, torch's or ours, any dtype ({peak:.0f} GFLOP/s), and for float32 and bfloat16 against the "
+             "arithmetic peak of their instructions (multiply-add chains in registers: "
+             + (", ".join(f"{k} {v:.0f}" for k, v in arith.items()) or "not measured in this run") + " GFLOP/s):", "",
              "| system | bytes read per token (MiB) | read GB/s alongside | batch-1 of its bound | "
-             "offline GFLOP/s | of the peak |",
-             "|---|---|---|---|---|---|"]
+             "offline GFLOP/s | of the peak | of its arithmetic peak |",
+             "|---|---|---|---|---|---|---|"]
     params = next(iter(roof["engines"].values()))["params"]
     for name, r in off.items():
         if "error" in r or not r.get("batch1_ms"):
@@ -606,8 +609,9 @@ def roofline_section(roof: dict, off: dict) -> list[str]:
         gflops = r["offline_tok_s"][1] * 2 * params / 1e9
         gbs = r.get("read_gbs", [0, mm["read_gbs"]])[1]
         bound_ms = nbytes / (gbs * 1e9) * 1e3
+        own = next((v for k, v in arith.items() if name.endswith(f" {k}")), None)
         lines.append(f"| {name} | {nbytes / 2**20:.0f} | {gbs:.1f} | {100 * bound_ms / r['batch1_ms'][1]:.0f}% | "
-                     f"{gflops:.0f} | {100 * gflops / peak:.0f}% |")
+                     f"{gflops:.0f} | {100 * gflops / peak:.0f}% | {'–' if own is None else f'{100 * gflops / own:.0f}%'} |")
     return lines
 
 

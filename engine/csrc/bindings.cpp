@@ -248,6 +248,8 @@ void bind_float_kernels(KernelsClass& cls) {
            }, G())
       .def("read_sum", [](const Kernels& k, uintptr_t x, int64_t n) { return k.t->read_sum(ptr<const float>(x), n); },
            G())
+      .def("peak_flops", [](const Kernels& k, bool pairs, int64_t steps) { return k.t->peak_flops(pairs, steps); },
+           G())
       .def("argmax", [](const Kernels& k, uintptr_t out, uintptr_t x, int64_t rows, int64_t n, int64_t xs) {
              k.t->argmax(ptr<int64_t>(out), ptr<const float>(x), rows, n, xs);
            }, G());

@@ -10,6 +10,7 @@
 #include "kernels/gemm.hpp"
 #include "kernels/int8.hpp"
 #include "kernels/norm.hpp"
+#include "kernels/peak.hpp"
 #include "kernels/qdot.hpp"
 #include "kernels/quant.hpp"
 #include "kernels/rotary.hpp"
@@ -52,6 +53,7 @@ const KernelTable* CPUSERVE_TABLE_FN() {
       &qdgemm_silu_impl,
       &qdrows_impl,
       &read_sum_impl,
+      &peak_flops_impl,
       &argmax_impl,
   };
   return &table;

@@ -98,6 +98,9 @@ struct KernelTable {
   void (*qdrows)(float* out, const uint8_t* w, int qtype, const int64_t* ids, int64_t count, int64_t k);
   // The sum of x[0, n), every thread streaming its share (kernels/stream.hpp: the bandwidth probe).
   float (*read_sum)(const float* x, int64_t n);
+  // FLOPs of `steps` steps of independent multiply-add chains on every thread, float FMAs or
+  // bfloat16 pair dot products (-1 where the table has none): the arithmetic peak (kernels/peak.hpp).
+  double (*peak_flops)(bool pairs, int64_t steps);
   // out[r] = torch.argmax(x[r, :n]): the first index of the largest value, a NaN the largest.
   void (*argmax)(int64_t* out, const float* x, int64_t rows, int64_t n, int64_t x_stride);
 };

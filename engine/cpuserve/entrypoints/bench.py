@@ -2,8 +2,9 @@
 time goes.
 
 - The machine: read bandwidth (ops.read_sum, the native multi-threaded streaming sum, over 1
-  GiB), and GEMM GFLOP/s: torch's on 2048^3 and this engine's kernel on the model's own shape
-  ([64, hidden] x [hidden, ffn]), in float32 and with bfloat16 weights.
+  GiB), GEMM GFLOP/s: torch's on 2048^3 and this engine's kernel on the model's own shape
+  ([64, hidden] x [hidden, ffn]), in float32 and with bfloat16 weights, and the arithmetic peak
+  of the instructions those GEMMs run on (`arith_peaks`), which no GEMM passes.
 - The bounds: batch-1 decode streams every weight once per token, so it takes at least
   weight bytes / bandwidth; a large batch is bounded by 2 x params FLOPs per token at the GEMM
   peak. Measured decode (batch 1, and 64 sequences) as a fraction of each bound. A shared
@@ -46,6 +47,7 @@ class Machine:
     kernel_gflops: dict             # dtype name -> GFLOP/s, ops.linear on the model's shape
     torch_shape_gflops: dict = field(default_factory=dict)  # float32/bfloat16: torch's F.linear on that shape
     line_ns: float | None = None    # a cache line between OpenMP thread 0 and the slowest other, one way
+    arith_gflops: dict = field(default_factory=dict)  # float32/bfloat16: the arithmetic peak (arith_peaks)
 
 
 def _best(fn, repeats: int) -> float:
@@ -152,12 +154,24 @@ def kernel_gflops(dtype: torch.dtype | str, m: int, k: int, n: int, repeats: int
     return 2 * m * n * k / _best(lambda: ops.linear(x, w, out=out), repeats) / GB
 
 
+def arith_peaks() -> dict:
+    """The arithmetic peak in GFLOP/s of the instructions the float32 and bfloat16 GEMMs run on
+    (ops.peak_gflops: multiply-add chains in registers on every thread): float32 FMAs, and for
+    bfloat16 the pair dot products where this CPU's kernels multiply pairs, else the same FMAs
+    (bfloat16 weights widened to float32 in registers)."""
+    from cpuserve.model_executor import ops
+
+    fma = ops.peak_gflops(False)
+    return {"float32": fma, "bfloat16": ops.peak_gflops(True) or fma}
+
+
 def measure_machine(hidden: int, ffn: int) -> Machine:
     kinds = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     return Machine(torch.get_num_threads(), read_bandwidth(),
                    {k: torch_gemm_gflops(d) for k, d in kinds.items()},
                    {k: kernel_gflops(d, 64, hidden, ffn) for k, d in {**kinds, **{q: q for q in ("gguf", "gguf-int8", "w8a8")}}.items()},
-                   {k: torch_linear_gflops(d, 64, hidden, ffn) for k, d in kinds.items()}, line_transfer_ns())
+                   {k: torch_linear_gflops(d, 64, hidden, ffn) for k, d in kinds.items()}, line_transfer_ns(),
+                   arith_peaks())
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -306,6 +320,8 @@ def run(dtypes=ENGINES, batch: int = 64, tokens: int = 32, prompt_len: int = PRO
             f"batch{batch}_gflops": 2 * params * batch / big / GB,
             f"batch{batch}_of_kernel_peak": 2 * params * batch / big / GB / machine.kernel_gflops[dtype],
             f"batch{batch}_of_best_peak": 2 * params * batch / big / GB / peak,
+            **({f"batch{batch}_of_arith_peak": 2 * params * batch / big / GB / machine.arith_gflops[dtype]}
+               if dtype in machine.arith_gflops else {}),
             "profile": {"1": one_profile, str(batch): big_profile},
             "profile_where": "native decoder stack" if _native_stack(llm) is not None else "Python layers",
             "contexts": [prompt_len, prompt_len + tokens]}
@@ -344,13 +360,17 @@ def format_report(r: dict, batch: int = 64) -> str:
              "[hidden x ffn] " + ", ".join(f"{k} {v:.0f}" for k, v in m["kernel_gflops"].items())
              + ("; torch's F.linear on that shape " + ", ".join(f"{k} {v:.0f}" for k, v in m["torch_shape_gflops"].items())
                 if m.get("torch_shape_gflops") else "")
-             + (f"; a cache line between the threads {m['line_ns']:.0f} ns" if m.get("line_ns") else ""), ""]
+             + (f"; a cache line between the threads {m['line_ns']:.0f} ns" if m.get("line_ns") else "")
+             + ("; arithmetic peak (multiply-add chains in registers) " + ", ".join(
+                 f"{k} {v:.0f}" for k, v in m["arith_gflops"].items()) if m.get("arith_gflops") else ""), ""]
     for dtype, e in r["engines"].items():
         prompts = f"; decoding after {e['contexts'][0]}-token prompts" if e.get("contexts") else ""
         lines.append(f"{dtype}: weights read per token {e['weight_bytes'] / 2**20:.0f} MiB ({e['params'] / 1e6:.0f}M "
                      f"params){prompts}; batch 1: {_batch1_text(e, m)}; batch {batch}: {e[f'batch{batch}_tok_s']:.0f} tok/s = "
                      f"{e[f'batch{batch}_gflops']:.0f} GFLOP/s, {100 * e[f'batch{batch}_of_kernel_peak']:.0f}% of "
-                     f"the kernel's peak, {100 * e[f'batch{batch}_of_best_peak']:.0f}% of the best GEMM peak")
+                     f"the kernel's peak, {100 * e[f'batch{batch}_of_best_peak']:.0f}% of the best GEMM peak"
+                     + (f", {100 * e[f'batch{batch}_of_arith_peak']:.0f}% of the arithmetic peak"
+                        if f"batch{batch}_of_arith_peak" in e else ""))
         for b, prof in e["profile"].items():
             prof = dict(prof)
             saved = prof.pop("native step saves", 0.0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import time
 
 import torch
 
@@ -54,6 +55,23 @@ def read_sum(x: torch.Tensor, k=KERNELS) -> float:
     if not x.is_contiguous():
         raise ValueError("read_sum: x must be contiguous")
     return k.read_sum(x.data_ptr(), x.numel())
+
+
+def peak_gflops(pairs: bool = False, seconds: float = 0.05, repeats: int = 3, k=KERNELS) -> float | None:
+    """The arithmetic peak in GFLOP/s (best of `repeats` runs of about `seconds`): independent
+    multiply-add chains in registers on every thread, float FMAs or, with `pairs`, the bfloat16
+    pair dot products that this table's bfloat16 GEMMs run on (None where it has none)."""
+    if k.peak_flops(pairs, 1) < 0:
+        return None
+    t0 = time.perf_counter()
+    flops = k.peak_flops(pairs, 100_000)
+    steps = max(100_000, int(100_000 * seconds / max(time.perf_counter() - t0, 1e-6)))
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        flops = k.peak_flops(pairs, steps)
+        best = max(best, flops / (time.perf_counter() - t0) / 1e9)
+    return best
 
 
 def argmax(x: torch.Tensor, k=KERNELS) -> torch.Tensor:

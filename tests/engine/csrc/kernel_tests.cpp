@@ -397,6 +397,28 @@ TEST(Gemm, SameBitsAnyThreadCountEveryTable) {
   omp_set_num_threads(before);
 }
 
+// The arithmetic peak probe (kernels/peak.hpp) counts every thread's chains: its FLOPs double
+// with its steps and grow with the threads, and only the tables with bf16 pair dot products
+// (avx512_bf16, amx) run pairs, counted as two multiply-adds a lane. NEON and VXE run it under
+// qemu in the cross builds.
+TEST(Peak, FlopsCountEveryThreadsChainsEveryTable) {
+  std::vector<const KernelTable*> tables = vector_tables();
+  tables.push_back(table_scalar());
+  const int before = omp_get_max_threads();
+  for (const KernelTable* tab : tables) {
+    omp_set_num_threads(1);
+    const double one = tab->peak_flops(false, 1000);
+    EXPECT_GT(one, 0) << tab->isa;
+    EXPECT_EQ(2 * one, tab->peak_flops(false, 2000)) << tab->isa;
+    omp_set_num_threads(3);
+    EXPECT_EQ(3 * one, tab->peak_flops(false, 1000)) << tab->isa;
+    omp_set_num_threads(1);
+    const bool pairs = std::strcmp(tab->isa, "avx512_bf16") == 0 || std::strcmp(tab->isa, "amx") == 0;
+    EXPECT_EQ(pairs ? 2 * one : -1.0, tab->peak_flops(true, 1000)) << tab->isa;
+  }
+  omp_set_num_threads(before);
+}
+
 // float8 conversions: every e5m2 / e4m3 value survives a round trip; rounding is to nearest
 // even (e4m3 saturating at 448); the vector loads decode as the scalar conversion does.
 TEST(Float8, RoundTripRoundingAndVectorLoads) {

@@ -137,6 +137,25 @@ def test_the_report_gives_the_threads_line_transfer():
     assert "bound 7.67 ms at the median 35.0; a cache line between the threads 31-162 ns)" in text
 
 
+def test_the_report_sets_each_dtype_against_its_arithmetic_peak():
+    machine = {"threads": 2, "read_gbs": 35.0, "torch_gflops": {"float32": 196.0}, "kernel_gflops": {"bfloat16": 405.0},
+               "arith_gflops": {"float32": 231.0, "bfloat16": 462.0}}
+    engine = {"weight_bytes": 256 << 20, "params": 134_000_000, "batch64_tok_s": 1200.0, "batch64_gflops": 346.5,
+              "batch64_of_kernel_peak": 0.86, "batch64_of_best_peak": 0.86, "batch64_of_arith_peak": 0.75,
+              "profile": {}, **bench.paired_fractions(256 << 20, [(35.0, 0.0090)])}
+    text = bench.format_report({"machine": machine, "engines": {"bfloat16": engine}})
+    assert "; arithmetic peak (multiply-add chains in registers) float32 231, bfloat16 462\n" in text
+    assert "86% of the best GEMM peak, 75% of the arithmetic peak" in text
+    old = bench.format_report({"machine": {k: v for k, v in machine.items() if k != "arith_gflops"},
+                               "engines": {"bfloat16": {k: v for k, v in engine.items() if "arith" not in k}}})
+    assert "arithmetic" not in old   # a report from before the peak was measured
+
+
+def test_the_arithmetic_peaks_cover_both_dtypes():
+    peaks = bench.arith_peaks()
+    assert set(peaks) == {"float32", "bfloat16"} and peaks["bfloat16"] >= 0.5 * peaks["float32"] > 0
+
+
 def test_torch_on_the_same_shape_is_measured():
     assert bench.torch_linear_gflops(torch.float32, 8, 64, 96, repeats=2) > 0
 

@@ -433,6 +433,17 @@ def test_read_sum(kern, n):
         ops.read_sum(torch.rand(8, 16)[:, :8], k=kern)
 
 
+def test_peak_flops_counts_every_threads_chains(kern):
+    """The arithmetic peak probe's FLOPs: linear in its steps, a pair dot product counted as two
+    multiply-adds, pairs only on the tables whose bfloat16 GEMMs multiply pairs."""
+    one, two = kern.peak_flops(False, 1000), kern.peak_flops(False, 2000)
+    assert one > 0 and two == 2 * one
+    pairs = kern.isa in ("avx512_bf16", "amx")
+    assert kern.peak_flops(True, 1000) == (2 * one if pairs else -1)
+    assert ops.peak_gflops(False, seconds=0.005, repeats=1, k=kern) > 0
+    assert (ops.peak_gflops(True, seconds=0.005, repeats=1, k=kern) is None) == (not pairs)
+
+
 def test_wrappers_reject_bad_input():
     with pytest.raises(TypeError, match="float32"):
         ops.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)

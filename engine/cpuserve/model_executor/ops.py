@@ -64,7 +64,7 @@ def peak_gflops(pairs: bool = False, seconds: float = 0.05, repeats: int = 3, k=
     if k.peak_flops(pairs, 1) < 0:
         return None
     t0 = time.perf_counter()
-    flops = k.peak_flops(pairs, 100_000)
+    k.peak_flops(pairs, 100_000)  # sizes the timed runs (and wakes the threads)
     steps = max(100_000, int(100_000 * seconds / max(time.perf_counter() - t0, 1e-6)))
     best = 0.0
     for _ in range(repeats):

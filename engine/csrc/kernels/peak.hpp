@@ -10,6 +10,7 @@
 #include <cstring>
 #include <omp.h>
 #include "../vec/vec.hpp"
+#include "gemm.hpp"
 
 namespace cpuserve {
 namespace {
@@ -36,23 +37,14 @@ inline float madd_chains(int64_t steps) {
 // FLOPs done by `steps` steps of every thread's chains, counted as the GEMMs count theirs (a
 // multiply-add of two numbers is 2, a pair dot product 4); -1 for pairs on a table without them.
 double peak_flops_impl(bool pairs, int64_t steps) {
-#ifdef __AVX512BF16__
-  constexpr bool kHasPairs = true;
-#else
-  constexpr bool kHasPairs = false;
-#endif
-  if (pairs && !kHasPairs) return -1.0;
+  if (pairs && !kBf16Pairs) return -1.0;  // (gemm.hpp: whether this table's bfloat16 GEMMs multiply pairs)
   float sink = 0.f;
   int threads = 1;
 #pragma omp parallel reduction(+ : sink)
   {
 #pragma omp single
     threads = omp_get_num_threads();
-#ifdef __AVX512BF16__
     sink += pairs ? madd_chains<bf16x2>(steps) : madd_chains<float>(steps);
-#else
-    sink += madd_chains<float>(steps);
-#endif
   }
   volatile float keep = sink;
   (void)keep;

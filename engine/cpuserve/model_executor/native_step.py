@@ -54,12 +54,15 @@ def _native_table(embed, hidden: int) -> torch.Tensor | None:
 class NativeDecoder:
     """Built from a model's embedding, decoder layers and final norm once its KV caches are bound."""
 
+    KEEP_RESIDUAL_TOKENS = 256
+
     def __init__(self, model, k=ops.KERNELS):
         layers = model.layers
         c = layers[0]
         self.hidden = c.input_norm.weight.shape[0]
         self.stack = _C.DecoderStack(k, self.hidden, c.down.weight.k)
         self.embed = model.embed
+        self.residual: torch.Tensor | None = None
         table = _native_table(model.embed, self.hidden)
         if table is not None:
             self.stack.set_embedding(table.data_ptr(), ops.DTYPE_CODES[table.dtype], table.shape[0])
@@ -88,16 +91,28 @@ class NativeDecoder:
         """input ids [T] -> the final norm's output [T, hidden] (the model's forward)."""
         ids = input_ids.reshape(-1)
         if self.native_embed:
-            ids = ids.to(torch.int64).contiguous()
+            if ids.dtype != torch.int64 or not ids.is_contiguous():
+                ids = ids.to(torch.int64).contiguous()
             h = torch.empty((ids.shape[0], self.hidden), dtype=torch.float32)
         else:
             h = self.embed(ids).contiguous()
-        residual = torch.empty_like(h)
+        residual = self._residual(h.shape[0])
         bt = ctx.block_tables
         self.stack.run(ids.data_ptr() if self.native_embed else 0, h.data_ptr(), residual.data_ptr(), False,
                        h.shape[0], positions.data_ptr(), ctx.slot_mapping.data_ptr(), bt.data_ptr(), bt.shape[1],
                        ctx.seq_lens.data_ptr(), ctx.query_start_loc.data_ptr(), ctx.seq_lens.shape[0])
         return h
+
+
+    def _residual(self, tokens: int) -> torch.Tensor:
+        """The residual stream's scratch [tokens, hidden]: for decode-sized steps one kept from step
+        to step (it never leaves the stack, and a step's torch calls are slow, their caches cold
+        after the weights streamed through them); a prompt's is its own, not held after it."""
+        if tokens > self.KEEP_RESIDUAL_TOKENS:
+            return torch.empty((tokens, self.hidden), dtype=torch.float32)
+        if self.residual is None:
+            self.residual = torch.empty((self.KEEP_RESIDUAL_TOKENS, self.hidden), dtype=torch.float32)
+        return self.residual
 
 
 def decoder_for(model):

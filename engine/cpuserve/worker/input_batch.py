@@ -2,6 +2,8 @@
 positions, cache slots, block tables and which tokens' logits are sampled."""
 from __future__ import annotations
 
+import array
+
 import torch
 
 from cpuserve.core.scheduler import ScheduledBatch
@@ -47,8 +49,73 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int) -> tuple[torch.Tensor
         seq_lens=ints[:n_seqs],
         query_start_loc=ints[n_seqs:],
         logits_indices=longs[3 * t:],
+        every_token_samples=len(logits_idx) == t,
     )
     return longs[:t], ctx, samplers
+
+
+class DecodeInputs:
+    """The inputs of decode-only steps kept from one step to the next (vLLM's persistent batch).
+
+    While the same sequences decode one token each, a step rewrites a few numbers in place (token,
+    position, slot, context length, and a block table row where it changed) through memoryviews
+    of the buffers, instead of building tensors from lists: a step's first torch calls meet
+    caches the weights have just streamed through, and prepare_inputs took 60-90 us of a
+    bfloat16 batch-1 step (7.7 ms). Anything else (a prompt chunk, a sequence joining or
+    leaving) goes through prepare_inputs and lays the buffers out anew at the next decode step.
+    The tensors returned are reused: a step's inputs are read before the next step writes them.
+    """
+
+    HEADROOM = 16  # block table columns beyond the longest table, so that growing tables seldom re-lay out
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.seqs: list[Sequence] = []  # the sequences the buffers are laid out for, in order
+        self.tables: list[list[int] | None] = []  # each row's block table as last written
+
+    def __call__(self, batch: ScheduledBatch) -> tuple[torch.Tensor, ForwardContext, list[Sequence]] | None:
+        """prepare_inputs' answer for a batch of decode rows only (each sequence one token, its
+        last), else None."""
+        seqs = batch.seqs
+        if batch.total_tokens != len(seqs) or not seqs:
+            return None
+        if len(seqs) != len(self.seqs) or any(a is not b for a, b in zip(seqs, self.seqs)):
+            self._lay_out(seqs)
+        bs, n, width = self.block_size, len(seqs), self.width
+        longs, ints, bt = self.longs_mv, self.ints_mv, self.bt_mv
+        for i, seq in enumerate(seqs):
+            start = seq.num_computed_tokens
+            if start + 1 != len(seq):
+                return None  # a one-token prompt chunk: it does not sample
+            table = seq.block_table
+            if table != self.tables[i]:
+                if len(table) > width:
+                    self.seqs = []  # lay out wider at the next step
+                    return None
+                row = i * width
+                bt[row:row + width] = array.array("i", table + [0] * (width - len(table)))
+                self.tables[i] = list(table)
+            longs[i] = seq.token_ids[start]
+            longs[n + i] = start
+            longs[2 * n + i] = table[start // bs] * bs + start % bs
+            ints[i] = start + 1
+        return self.ids, self.ctx, list(seqs)
+
+    def _lay_out(self, seqs: list[Sequence]) -> None:
+        n = len(seqs)
+        self.width = max(len(s.block_table) for s in seqs) + self.HEADROOM
+        longs = torch.zeros(4 * n, dtype=torch.int64)  # ids, positions, slots, logits rows
+        ints = torch.zeros(2 * n + 1, dtype=torch.int32)  # context lengths, query starts
+        longs[3 * n:] = torch.arange(n)
+        ints[n:] = torch.arange(n + 1)
+        bt = torch.zeros((n, self.width), dtype=torch.int32)
+        self.longs_mv, self.ints_mv = memoryview(longs.numpy()), memoryview(ints.numpy())
+        self.bt_mv = memoryview(bt.numpy().reshape(-1))
+        self.seqs, self.tables = list(seqs), [None] * n
+        self.ids = longs[:n]
+        self.ctx = ForwardContext(positions=longs[n:2 * n], slot_mapping=longs[2 * n:3 * n], block_tables=bt,
+                                  seq_lens=ints[:n], query_start_loc=ints[n:], logits_indices=longs[3 * n:],
+                                  every_token_samples=True)
 
 
 def block_tables(tables: list[list[int]]) -> torch.Tensor:

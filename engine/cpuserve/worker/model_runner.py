@@ -23,7 +23,7 @@ from cpuserve.platform.isa import resolve_dtype, resolve_kv_dtype
 from cpuserve.platform.malloc import tune_malloc
 from cpuserve.worker import kv_cache
 from cpuserve.worker.idle import IdleWork
-from cpuserve.worker.input_batch import blocks_for, packed_inputs, prepare_inputs, scoring_inputs
+from cpuserve.worker.input_batch import DecodeInputs, blocks_for, packed_inputs, prepare_inputs, scoring_inputs
 from cpuserve.worker.sampler import Sampler
 
 log = logging.getLogger("cpuserve")
@@ -149,6 +149,7 @@ class ModelRunner:
         kv = config.kv_cache_dtype
         self.kv_dtype = resolve_kv_dtype(kv, self.dtype)
         self.block_size = config.block_size
+        self.decode_inputs = DecodeInputs(self.block_size)  # decode steps' inputs, rewritten in place
         self.max_model_len = max_model_len(self.hf_config, config.max_model_len)
         if tp is None:  # rank 0: what the container's memory allows is settled before any rank starts
             self.memory_limit = self._check_memory()
@@ -281,7 +282,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[dict | None]]:
         """Runs the model on the batch; returns the sequences that sampled, their tokens and logprobs."""
-        input_ids, ctx, samplers = prepare_inputs(batch, self.block_size)
+        input_ids, ctx, samplers = self.decode_inputs(batch) or prepare_inputs(batch, self.block_size)
         logits = self._run(input_ids, ctx, bool(samplers))
         if not samplers:
             return [], [], []
@@ -334,9 +335,11 @@ class ModelRunner:
             set_context(None)
         if not want_logits:
             return None
-        rows = ctx.logits_indices
         # the sampled rows increase (one a sequence at most): as many as the rows only when they are
         # every row in order (a decode-only step), which needs no gather
+        if ctx.every_token_samples:
+            return self.model.compute_logits(hidden)
+        rows = ctx.logits_indices
         return self.model.compute_logits(hidden if rows.shape[0] == hidden.shape[0] else hidden[rows].contiguous())
 
 

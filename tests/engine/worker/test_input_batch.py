@@ -31,6 +31,7 @@ def test_chunked_prefill_and_decode_in_one_step():
     assert samplers == [tail, decode]
     assert ctx.block_tables.tolist() == [[7, 3, 9], [5, 2, 0], [8, 6, 0]]
     assert ctx.block_tables.dtype == torch.int32 and ctx.slot_mapping.dtype == torch.int64
+    assert not ctx.every_token_samples
 
 
 def test_block_tables_pad_with_zeros():
@@ -56,3 +57,63 @@ def test_packed_whole_sequences_start_on_blocks_of_their_own():
     assert ctx.query_start_loc.tolist() == [0, 5, 6, 10]
     assert ctx.seq_lens.tolist() == [5, 1, 4]
     assert ctx.logits_indices.tolist() == [4, 5, 9]   # each sequence's last token
+
+
+def _same_inputs(got, want):
+    """DecodeInputs' answer against prepare_inputs': every tensor equal; the kept block table may be
+    wider (zero columns beyond the longest table)."""
+    (gi, gc, gs), (wi, wc, ws) = got, want
+    assert gi.tolist() == wi.tolist() and gs == ws
+    assert gc.every_token_samples and wc.every_token_samples  # decode rows: the logits need no gather
+    for name in ("positions", "slot_mapping", "seq_lens", "query_start_loc", "logits_indices"):
+        g, w = getattr(gc, name), getattr(wc, name)
+        assert g.dtype == w.dtype and g.tolist() == w.tolist(), name
+    width = wc.block_tables.shape[1]
+    assert gc.block_tables.dtype == torch.int32
+    assert gc.block_tables[:, :width].tolist() == wc.block_tables.tolist()
+    assert not gc.block_tables[:, width:].any()
+
+
+def _advance(s, bs, free):
+    """One decode step done: the sampled token appended, a new block when the next position needs one."""
+    s.num_computed_tokens += 1
+    s.token_ids.append(1000 + len(s.token_ids))
+    if len(s.token_ids) > len(s.block_table) * bs:
+        s.block_table.append(free.pop())
+
+
+def test_decode_inputs_rewrite_in_place_what_prepare_inputs_builds():
+    """Decode steps as the scheduler makes them: the same sequences step after step (the kept
+    tensors are rewritten, not rebuilt), tables growing past the kept width, a block swapped for
+    a cached one, a sequence leaving and one joining; each step's inputs equal prepare_inputs'."""
+    from cpuserve.worker.input_batch import DecodeInputs
+    bs = 4
+    free = list(range(100, 400))
+    a = seq(range(10, 17), 6, [1, 2])     # 7 tokens, the last not yet computed
+    b = seq(range(20, 24), 3, [3])
+    c = seq(range(30, 39), 8, [4, 5, 6])
+    dec = DecodeInputs(bs)
+    batch, kept = [a, b], None
+    for step in range(90):
+        if step == 30:
+            a.block_table[0] = 77          # a full block replaced (the prefix cache's copy)
+        if step == 50:
+            batch = [b, c]                 # a leaves, c joins
+        got = dec(ScheduledBatch(list(batch), [1] * len(batch)))
+        _same_inputs(got, prepare_inputs(ScheduledBatch(list(batch), [1] * len(batch)), bs))
+        if step not in (0, 50) and kept is not None and got[1].block_tables.shape == kept.block_tables.shape:
+            assert got[1] is kept          # the same tensors, rewritten
+        kept = got[1]
+        for s in batch:
+            _advance(s, bs, free)
+    assert len(b.block_table) > DecodeInputs.HEADROOM + 1  # the kept table was laid out wider on the way
+
+
+def test_decode_inputs_leave_prompts_to_prepare_inputs():
+    from cpuserve.worker.input_batch import DecodeInputs
+    dec = DecodeInputs(4)
+    prompt = seq(range(10), 0, [1, 2, 3])
+    assert dec(ScheduledBatch([prompt], [10])) is None             # a prefill
+    chunk = seq(range(10), 8, [1, 2, 3])
+    assert dec(ScheduledBatch([chunk], [1])) is None               # one prompt token that does not sample
+    assert dec(ScheduledBatch([], [])) is None

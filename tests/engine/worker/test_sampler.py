@@ -127,3 +127,27 @@ def test_extreme_valid_values_never_break_sampling(kwargs):
     seq.generator = torch.Generator().manual_seed(1)
     toks, _ = Sampler(set())(logits, [seq])
     assert 0 <= toks[0] < 4
+
+
+def test_plain_greedy_rows_take_one_argmax_and_every_other_row_the_general_path():
+    """Greedy rows with nothing to process, constrain or report take the argmax of the raw logits
+    in one kernel call; a row with logprobs, a penalty or a sample, or logits not float32 rows,
+    sends the batch down the general path, with the same greedy tokens."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    plain = [_seq(SamplingParams(temperature=0)) for _ in range(3)]
+    sampler = Sampler(set())
+    assert sampler._plain_argmax(logits, plain)
+    assert sampler(logits, plain) == (logits.argmax(-1).tolist(), [None, None, None])
+    for other in (SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0, repetition_penalty=1.5),
+                  SamplingParams(temperature=1.0, seed=1)):
+        seqs = plain[:1] + [_seq(other)] + plain[2:]
+        assert not sampler._plain_argmax(logits, seqs)
+        toks, lps = sampler(logits, seqs)
+        assert toks[0] == int(logits[0].argmax()) and toks[2] == int(logits[2].argmax())
+        assert lps[1] is not None if other.logprobs else lps[1] is None
+    wide = torch.randn(3, 100)[:, ::2]  # rows strided inside: the general path makes them contiguous
+    assert not sampler._plain_argmax(wide, plain)
+    assert sampler(wide, plain)[0] == wide.argmax(-1).tolist()
+    half = logits.bfloat16()
+    assert not sampler._plain_argmax(half, plain) and sampler(half, plain)[0] == half.float().argmax(-1).tolist()

@@ -53,6 +53,18 @@ class Detokenizer:
         self.text = text[: i + len(s)] if self.include_stop else text[:i]
         return s
 
+    def finish(self, output_ids: list[int]) -> None:
+        """The whole output's text in one decode, for a request that wants only its final text and
+        has no stop strings (the offline LLM's): no window a token. As update, a trailing
+        incomplete character is held back (it is never completed now)."""
+        decode = self.tokenizer.decode
+        for end in range(len(output_ids), max(0, len(output_ids) - 8) - 1, -1):
+            text = decode(output_ids[:end], skip_special_tokens=self.skip_special)
+            if not text.endswith("\ufffd"):
+                break
+        self.text = text
+        self._start, self._done = 0, len(output_ids)
+
     def _decode(self, ids: list[int]) -> str | None:
         """The text of all of ids, or None while it ends in an incomplete character or
         when no token is new."""

@@ -25,13 +25,15 @@ class LLMEngine:
     stats = property(lambda self: self.core.stats)
     max_model_len = property(lambda self: self.core.max_model_len)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    final_only: bool = False) -> None:
+        """final_only: step() returns the request's output only once it finished (OutputProcessor)."""
         if self.task != "generate":
             raise ValueError(f"{self.core.runner.model_dir} is an embedding model: use LLM.embed")
         params = params or SamplingParams()
         text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
         self.core.add_request(request_id, ids, params)
-        self.output.add_request(request_id, text, ids, params)
+        self.output.add_request(request_id, text, ids, params, final_only)
 
     def abort_request(self, request_id: str) -> None:
         self.core.abort_request(request_id)

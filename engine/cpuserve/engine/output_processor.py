@@ -28,6 +28,7 @@ class RequestState:
     completions: list[_Completion]
     num_cached_tokens: int = 0
     queued_s: float | None = None
+    final_only: bool = False  # an output only once every completion finished (the offline LLM)
 
     @property
     def finished(self) -> bool:
@@ -40,10 +41,14 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
+                    params: SamplingParams, final_only: bool = False) -> None:
+        """final_only: the request's one output is its last (nothing streamed); without stop strings
+        its text is then decoded once, when it finishes, not a window a token (whose cost, its
+        caches cold after the model's weights streamed through them, was 80 us of a batch-1 step)."""
         comps = [_Completion(Detokenizer(self.tokenizer, params.stop_strings, params.skip_special_tokens,
                                          params.include_stop_str_in_output)) for _ in range(params.n)]
-        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, comps)
+        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, comps,
+                                                 final_only=final_only)
 
     def abort_request(self, request_id: str) -> RequestState | None:
         return self.requests.pop(request_id, None)
@@ -67,6 +72,12 @@ class OutputProcessor:
                 comp.token_ids.append(out.token_id)
                 if out.logprobs is not None:
                     comp.logprobs.append(out.logprobs)
+            touched[st.request_id] = st
+            if st.final_only and not st.params.stop_strings:  # the text once, at the end
+                if out.finish_reason is not None:
+                    comp.detok.finish(comp.token_ids[:-1] if out.finish_reason == "stop" else comp.token_ids)
+                    comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
+                continue
             if out.finish_reason == "stop":  # EOS or a stop token: kept in token_ids, not in text
                 comp.detok.update(comp.token_ids[:-1], check_stop=False)
                 comp.finish_reason, comp.stop_reason = "stop", out.stop_reason
@@ -78,9 +89,10 @@ class OutputProcessor:
                         to_stop.append((st.request_id, out.index))
                 elif out.finish_reason is not None:
                     comp.finish_reason = out.finish_reason
-            touched[st.request_id] = st
         results = []
         for st in touched.values():
+            if st.final_only and not st.finished:
+                continue
             results.append(self.to_output(st))
             if st.finished:
                 del self.requests[st.request_id]

@@ -52,7 +52,7 @@ class LLM:
                     if "prompt_token_ids" not in prompt and "prompt" not in prompt:
                         raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
                     prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, final_only=True)
                 ids.append(rid)
             return self._run(ids)
         except BaseException:

@@ -73,6 +73,20 @@ def test_default_model_multibyte_split(smollm2):
     assert all("\ufffd" not in t for t in texts) and texts[-1] == "😀 ok"
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_finish_gives_the_incremental_text_of_every_prefix(smollm2, skip):
+    """finish (a final-only request's one decode) ends where token-by-token updates end, a
+    character cut in the middle of its bytes held back alike (the emoji and CJK text, cut at
+    every token)."""
+    for ids in [smollm2.encode(t, add_special_tokens=False) for t in TEXTS]:
+        det = Detokenizer(smollm2, [], skip)
+        for i in range(1, len(ids) + 1):
+            det.update(ids[:i])
+            once = Detokenizer(smollm2, [], skip)
+            once.finish(ids[:i])
+            assert once.text == det.text, (i, ids[:i])
+
+
 def llama2_style(tmp_path) -> Tokenizer:
     """SentencePiece BPE as Llama 2 / Mistral ship it: "▁" for spaces, byte-fallback tokens
     for characters outside the vocabulary, the first leading space stripped on decode."""

@@ -103,7 +103,6 @@ class NativeDecoder:
                        ctx.seq_lens.data_ptr(), ctx.query_start_loc.data_ptr(), ctx.seq_lens.shape[0])
         return h
 
-
     def _residual(self, tokens: int) -> torch.Tensor:
         """The residual stream's scratch [tokens, hidden]: for decode-sized steps one kept from step
         to step (it never leaves the stack, and a step's torch calls are slow, their caches cold

@@ -60,8 +60,8 @@ class DecodeInputs:
     While the same sequences decode one token each, a step rewrites a few numbers in place (token,
     position, slot, context length, and a block table row where it changed) through memoryviews
     of the buffers, instead of building tensors from lists: a step's first torch calls meet
-    caches the weights have just streamed through, and prepare_inputs took 60-90 us of a
-    bfloat16 batch-1 step (7.7 ms). Anything else (a prompt chunk, a sequence joining or
+    caches the weights have just streamed through, and prepare_inputs took about 100 us of a
+    bfloat16 batch-1 step (7.7 ms; this, 15). Anything else (a prompt chunk, a sequence joining or
     leaving) goes through prepare_inputs and lays the buffers out anew at the next decode step.
     The tensors returned are reused: a step's inputs are read before the next step writes them.
     """

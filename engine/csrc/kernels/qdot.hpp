@@ -19,9 +19,13 @@
 //          5-bit types: [G / 4][5L] bytes, the 4-bit layout's 4L bytes of low nibbles, then L bytes of
 //          their fifth bits: bit b of the first L / 2 bytes for byte b's low nibble, of the next
 //          L / 2 for its high nibble (Q5_0: 5.5 bits a weight with its float16 S, as in the file)
-//          6- and 8-bit types: [G / 4][2][4L] bytes, one code a byte, column h * L + l at [q][h][4l + j]
+//          6-bit types: [G / 8][12L] bytes, two rows q = 2p, 2p + 1 at a time: each row's 4L bytes of
+//          nibbles as the 4-bit layout's, then 4L bytes of their bits 4-5: byte 4l + j holds, from
+//          bit 0 up, those of columns l and L + l of row 2p, then of row 2p + 1 (Q6_K: with its
+//          float32 S alone, 8 bits a weight, where a byte a code and S and O took 12; the file 6.56)
+//          8-bit types: [G / 4][2][4L] bytes, one code a byte, column h * L + l at [q][h][4l + j]
 //   S      [kI8NR], then O [kI8NR]: float32, or the blocks' float16 where that is the same number
-//          (qd_fac: O not stored where it is -offset_code * S, or for 8-bit codes)
+//          (qd_fac: O not stored where it is -offset_code * S, as in Q6_K, or for 8-bit codes)
 // 8-bit codes (Q8_0: u = q + 128, O = -128 S) are summed as sum (u - 128) * qa, so their epilogue
 // is S * sa * sum q * qa alone: u8 x s8 pairs of such codes overflow int16 where maddubs does the
 // products, so each ISA's VecI8::dotu8 takes its own route to that exact sum (VNNI's vpdpbusd on u,
@@ -41,33 +45,37 @@ constexpr int kQdMR = 4;
 
 constexpr bool qd_supported(int t) { return qformat(t).block != 0; }  // every kept block type
 
-constexpr int64_t qd_code_bytes(const QFormat& f) {
-  return f.bits == 4 ? int64_t(f.group) * kI8NR / 2
-                     : f.bits == 5 ? int64_t(f.group) * kI8NR * 5 / 8 : int64_t(f.group) * kI8NR;
-}
-constexpr bool qd_nibbles(const QFormat& f) { return f.bits == 4 || f.bits == 5; }
+constexpr int64_t qd_code_bytes(const QFormat& f) { return int64_t(f.group) * kI8NR * f.bits / 8; }
+constexpr bool qd_nibbles(const QFormat& f) { return f.bits >= 4 && f.bits <= 6; }
 
 // How a chunk keeps its groups' S and O: float32 where they are products (K-quants: d times a
-// sub-block scale; Q4_ZP: -z d), else the block's own float16 bits, which are the same numbers:
-// S and O both where O is the block's min (Q4_1, Q5_1), S alone where O = -offset_code * S (Q4_0,
-// Q5_0; the same float32 product at run time) or where 8-bit codes need no O (Q8_0).
-enum QdFactors { kQdF32 = 0, kQdF16SO = 1, kQdF16S = 2 };
+// sub-block scale; Q4_ZP: -z d), S alone where O = -offset_code * S (Q6_K: O = -32 S, the same
+// float32 product at run time), else the block's own float16 bits, which are the same numbers: S
+// and O both where O is the block's min (Q4_1, Q5_1), S alone where O = -offset_code * S (Q4_0,
+// Q5_0) or where 8-bit codes need no O (Q8_0).
+// Q4_K's S and O formed in the kernel from its float16 d and dmin and u8 sub-block scale and min
+// (6 bytes a column a group against 8: 5.5 bits a weight against 6) was level at batch 1 and cost
+// the batch path, which forms them again for each row tile (AMD EPYC Zen 4, the Q4_K_M file's
+// ffn_down GEMVs in turns: 24.0 against 24.3 us a call): not taken.
+enum QdFactors { kQdF32 = 0, kQdF16SO = 1, kQdF16S = 2, kQdF32S = 3 };
 constexpr int qd_fac(const QFormat& f) {
-  if (f.block != f.group || f.offset_code < 0) return kQdF32;
+  if (f.offset_code < 0 || (f.block != f.group && f.offset_code == 0)) return kQdF32;
+  if (f.block != f.group) return kQdF32S;
   return f.offset_code == 0 ? kQdF16SO : kQdF16S;
 }
 constexpr int64_t qd_factor_bytes(const QFormat& f) {
-  return kI8NR * (qd_fac(f) == kQdF32 ? 8 : qd_fac(f) == kQdF16SO ? 4 : 2);
+  constexpr int bytes[] = {8, 4, 2, 4};
+  return kI8NR * bytes[qd_fac(f)];
 }
 constexpr int64_t qd_chunk_bytes(const QFormat& f) { return qd_code_bytes(f) + qd_factor_bytes(f); }
 
 // Factor i (0: S, 1: O) of column j, as the float path's float32 value.
 inline float qd_factor(const QFormat& f, const uint8_t* chunk, int i, int j) {
   const uint8_t* at = chunk + qd_code_bytes(f);
-  if (qd_fac(f) == kQdF32) {
+  if (qd_fac(f) == kQdF32 || qd_fac(f) == kQdF32S) {
     float v;
-    std::memcpy(&v, at + 4 * (i * kI8NR + j), 4);
-    return v;
+    std::memcpy(&v, at + 4 * (qd_fac(f) == kQdF32 ? i * kI8NR + j : j), 4);
+    return qd_fac(f) == kQdF32 || i == 0 ? v : v * -static_cast<float>(f.offset_code);
   }
   if (i == 1 && qd_fac(f) == kQdF16S) return qd_factor(f, chunk, 0, j) * -static_cast<float>(f.offset_code);
   uint16_t b;
@@ -101,12 +109,20 @@ inline void qd_group_so(int t, const QBlock& q, int g, float& s, float& o) {
   }
 }
 
-// Byte offset of the code of column j (of the panel), element e of a group (for 4 and 5 bits: of
-// its low nibble, the high one where j / L is 1).
+// Byte offset of the code of column j (of the panel), element e of a group (for 4, 5 and 6 bits:
+// of its low nibble, the high one where j / L is 1).
 inline int64_t qd_code_at(const QFormat& f, int j, int e) {
   const int L = VecI8::L, h = j / L, l = j % L;
+  if (f.bits == 6) return (e / 8) * 12 * L + (e / 4 % 2) * 4 * L + l * 4 + e % 4;
   if (qd_nibbles(f)) return (e / 4) * (f.bits == 5 ? 5 : 4) * L + l * 4 + e % 4;
   return (e / 4) * 8 * L + h * 4 * L + l * 4 + e % 4;
+}
+
+// 6 bits: the byte of bits 4-5 of that code, and the shift of its two bits there.
+inline int64_t qd_high_two_at(int j, int e, int& shift) {
+  const int L = VecI8::L;
+  shift = 2 * (j / L) + 4 * (e / 4 % 2);
+  return (e / 8) * 12 * L + 8 * L + (j % L) * 4 + e % 4;
 }
 
 // 5 bits: the byte and the bit of the fifth bit of that code.
@@ -138,13 +154,17 @@ void qdpack_impl(uint8_t* dst, const uint8_t* src, int t, int64_t n, int64_t k) 
               int bit;
               chunk[qd_high_bit_at(j, e, bit)] |= static_cast<uint8_t>(1 << bit);
             }
+            if (f.bits == 6) {
+              int shift;
+              chunk[qd_high_two_at(j, e, shift)] |= static_cast<uint8_t>(((u >> 4) & 3) << shift);
+            }
           }
           uint8_t* at = chunk + qd_code_bytes(f);
-          if (qd_fac(f) == kQdF32) {
+          if (qd_fac(f) == kQdF32 || qd_fac(f) == kQdF32S) {
             float s, o;
             qd_group_so(t, q, g, s, o);
             std::memcpy(at + 4 * j, &s, 4);
-            std::memcpy(at + 4 * (kI8NR + j), &o, 4);
+            if (qd_fac(f) == kQdF32) std::memcpy(at + 4 * (kI8NR + j), &o, 4);
           } else {  // the block's float16 d (and m): qd_group_so's S (and O) exactly
             std::memcpy(at + 2 * j, &q.d, 2);
             if (qd_fac(f) == kQdF16SO) std::memcpy(at + 2 * (kI8NR + j), &q.m, 2);
@@ -179,9 +199,9 @@ struct QdRows {  // quantized activations: row r's codes at q + r * k, its group
   int64_t k, ng;
 };
 
-// How a chunk holds its codes: nibbles (4 bits), nibbles and fifth bits (5), a byte each (6 bits),
-// 8-bit (u = q + 128).
-enum QdCodes { kQdNib = 4, kQdNib5 = 5, kQdByte = 6, kQdU8 = 8 };
+// How a chunk holds its codes: nibbles (4 bits), nibbles and fifth bits (5), nibbles and bits 4-5
+// (6), 8-bit (u = q + 128).
+enum QdCodes { kQdNib = 4, kQdNib5 = 5, kQdNib6 = 6, kQdU8 = 8 };
 
 // Bytes ahead of its stream that the decode path fetches each chunk (into L2): the hardware
 // prefetchers alone ran too close behind. Batch-1 int8 GEMMs of the Q4_K_M file, AMD EPYC Zen 4,
@@ -193,7 +213,10 @@ constexpr int64_t kQdAhead = 4608;
 template <int T>
 inline void qd_so(const uint8_t* at, int h, VecF& s, VecF& o) {
   constexpr QFormat f = qformat(T);
-  if constexpr (qd_fac(f) == kQdF32) {
+  if constexpr (qd_fac(f) == kQdF32S) {
+    s = VecF::load(reinterpret_cast<const float*>(at) + h * VecF::N);
+    o = s * VecF::set1(-static_cast<float>(f.offset_code));
+  } else if constexpr (qd_fac(f) == kQdF32) {
     s = VecF::load(reinterpret_cast<const float*>(at) + h * VecF::N);
     o = VecF::load(reinterpret_cast<const float*>(at) + kI8NR + h * VecF::N);
   } else {
@@ -210,7 +233,7 @@ template <int T, int MR>
 inline void qd_micro(const QdRows& A, int64_t r, const uint8_t* panel, float* out, int64_t ahead, int64_t then) {
   constexpr int L = VecI8::L, NF = kI8NR / VecF::N;
   constexpr QFormat f = qformat(T);
-  constexpr int G = f.group, CODES = f.bits == 4 ? kQdNib : f.bits == 5 ? kQdNib5 : f.bits == 6 ? kQdByte : kQdU8;
+  constexpr int G = f.group, CODES = f.bits == 4 ? kQdNib : f.bits == 5 ? kQdNib5 : f.bits == 6 ? kQdNib6 : kQdU8;
   constexpr int64_t code_bytes = qd_code_bytes(f), cb = qd_chunk_bytes(f);
   VecF acc_f[MR][NF];
   for (int i = 0; i < MR; ++i)
@@ -233,6 +256,11 @@ inline void qd_micro(const QdRows& A, int64_t r, const uint8_t* panel, float* ou
         const uint8_t* codes = chunk + q * (CODES == kQdNib5 ? 5 : 4) * L;
         VecI8::nibbles(VecI8::loadw(codes), w0, w1);
         if constexpr (CODES == kQdNib5) VecI8::high_bits(w0, w1, codes + 4 * L);
+      } else if constexpr (CODES == kQdNib6) {
+        const uint8_t* pair = chunk + (q / 2) * 12 * L;
+        VecI8::nibbles(VecI8::loadw(pair + (q % 2) * 4 * L), w0, w1);
+        if (q % 2 == 0) VecI8::template high_two<0>(w0, w1, VecI8::loadw(pair + 8 * L));
+        else VecI8::template high_two<4>(w0, w1, VecI8::loadw(pair + 8 * L));
       } else {
         w0 = VecI8::loadw(chunk + q * 8 * L);
         w1 = VecI8::loadw(chunk + q * 8 * L + 4 * L);
@@ -360,10 +388,14 @@ void qdrows_impl(float* out, const uint8_t* w, int t, const int64_t* ids, int64_
       const float s = qd_factor(f, chunk, 0, j), o = f.bits == 8 ? 0.f : qd_factor(f, chunk, 1, j);
       for (int e = 0; e < G; ++e) {
         const uint8_t b = chunk[qd_code_at(f, j, e)];
-        int u = qd_nibbles(f) ? (b >> (4 * h)) & 15 : f.bits == 8 ? b - 128 : b;
+        int u = qd_nibbles(f) ? (b >> (4 * h)) & 15 : b - 128;
         if (f.bits == 5) {
           int bit;
           u |= ((chunk[qd_high_bit_at(j, e, bit)] >> bit) & 1) << 4;
+        }
+        if (f.bits == 6) {
+          int shift;
+          u |= ((chunk[qd_high_two_at(j, e, shift)] >> shift) & 3) << 4;
         }
         // 8-bit: S * q, the float path's fma(S, u, -128 S) (S q exact before its one rounding)
         out[i * k + g * G + e] = std::fma(s, static_cast<float>(u), o);

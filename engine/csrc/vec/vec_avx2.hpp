@@ -164,6 +164,14 @@ struct VecI8 {
     lo = _mm256_or_si256(lo, bits16(bits));
     hi = _mm256_or_si256(hi, bits16(bits + 4));
   }
+  // 6-bit codes (kernels/qdot.hpp): bits 4-5 of lo's (hi's) bytes from bits S, S + 1 (S + 2, S + 3)
+  // of h's, S 0 or 4.
+  template <int S>
+  static void high_two(W& lo, W& hi, W h) {
+    const __m256i m = _mm256_set1_epi8(0x30);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(S == 0 ? _mm256_slli_epi16(h, 4) : h, m));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(S == 0 ? _mm256_slli_epi16(h, 2) : _mm256_srli_epi16(h, 2), m));
+  }
   static A bcast_s(int32_t a4) { return _mm256_set1_epi32(a4); }
   static VecI8 dotu(VecI8 acc, W w, A a) {
     return {_mm256_add_epi32(acc.v, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)))};

@@ -177,6 +177,14 @@ struct VecI8 {
     lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(m0), lo, s);
     hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(m1), hi, s);
   }
+  // 6-bit codes (kernels/qdot.hpp): bits 4-5 of lo's (hi's) bytes from bits S, S + 1 (S + 2, S + 3)
+  // of h's, S 0 or 4.
+  template <int S>
+  static void high_two(W& lo, W& hi, W h) {
+    const __m512i m = _mm512_set1_epi8(0x30);
+    lo = _mm512_or_si512(lo, _mm512_and_si512(S == 0 ? _mm512_slli_epi16(h, 4) : h, m));
+    hi = _mm512_or_si512(hi, _mm512_and_si512(S == 0 ? _mm512_slli_epi16(h, 2) : _mm512_srli_epi16(h, 2), m));
+  }
   static A bcast_s(int32_t a4) { return _mm512_set1_epi32(a4); }
   static VecI8 dotu(VecI8 acc, W w, A a) {
 #ifdef __AVX512VNNI__

@@ -127,6 +127,14 @@ struct VecI8 {
     lo = vorrq_u8(lo, bits16(bits));
     hi = vorrq_u8(hi, bits16(bits + 2));
   }
+  // 6-bit codes (kernels/qdot.hpp): bits 4-5 of lo's (hi's) bytes from bits S, S + 1 (S + 2, S + 3)
+  // of h's, S 0 or 4.
+  template <int S>
+  static void high_two(W& lo, W& hi, W h) {
+    const uint8x16_t m = vdupq_n_u8(0x30);
+    lo = vorrq_u8(lo, vandq_u8(S == 0 ? vshlq_n_u8(h, 4) : h, m));
+    hi = vorrq_u8(hi, vandq_u8(S == 0 ? vshlq_n_u8(h, 2) : vshrq_n_u8(h, 2), m));
+  }
   static A bcast_s(int32_t a4) { return bcast(a4); }
   static VecI8 dotu(VecI8 acc, W w, A a) {
     const int8x16_t wv = vreinterpretq_s8_u8(w);

@@ -92,6 +92,15 @@ struct VecI8 {
       if ((bits[L / 2 + i / 8] >> (i % 8)) & 1) hi.b[i] |= 16;
     }
   }
+  // 6-bit codes (kernels/qdot.hpp): bits 4-5 of lo's (hi's) bytes from bits S, S + 1 (S + 2, S + 3)
+  // of h's, S 0 or 4.
+  template <int S>
+  static void high_two(W& lo, W& hi, const W& h) {
+    for (int i = 0; i < 4 * L; ++i) {
+      lo.b[i] |= static_cast<uint8_t>(((h.b[i] >> S) & 3) << 4);
+      hi.b[i] |= static_cast<uint8_t>(((h.b[i] >> (S + 2)) & 3) << 4);
+    }
+  }
   static A bcast_s(int32_t a4) { return bcast(a4); }
   static VecI8 dotu(VecI8 acc, const W& w, A a) {
     for (int l = 0; l < L; ++l)

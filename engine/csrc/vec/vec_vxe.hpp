@@ -111,6 +111,14 @@ struct VecI8 {
     lo = lo | bits16(bits);
     hi = hi | bits16(bits + 2);
   }
+  // 6-bit codes (kernels/qdot.hpp): bits 4-5 of lo's (hi's) bytes from bits S, S + 1 (S + 2, S + 3)
+  // of h's, S 0 or 4.
+  template <int S>
+  static void high_two(W& lo, W& hi, W h) {
+    const unsigned char m = 0x30;
+    lo = lo | ((S == 0 ? h << static_cast<unsigned char>(4) : h) & m);
+    hi = hi | ((S == 0 ? h << static_cast<unsigned char>(2) : h >> static_cast<unsigned char>(2)) & m);
+  }
   static A bcast_s(int32_t a4) { return bcast(a4); }
   static VecI8 dotu(VecI8 acc, W w, A a) {
     const __vector signed char wv = reinterpret_cast<__vector signed char>(w);

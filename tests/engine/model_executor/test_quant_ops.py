@@ -185,10 +185,13 @@ def test_int8_dot_is_chosen_within_quantized_activations_only():
     assert ops.storage_name(w41) == "Q4_1 x int8" and ops.storage_name(w80) == "Q8_0 x int8"
     # the blocks' own bytes, regrouped: nibbles (and a plane of fifth bits), float16 d (and m)
     with ops.quantized_activations("int8"):
-        q50, q4k = random_blocks("Q5_0", 64, 64), random_blocks("Q4_K", 64, 256)
-        w50, w4k = ops.pack(q50, torch.float32), ops.pack(q4k, torch.float32)
+        q50, q4k, q6k = (random_blocks(t, 64, k) for t, k in (("Q5_0", 64), ("Q4_K", 256), ("Q6_K", 256)))
+        w50, w4k, w6k = (ops.pack(q, torch.float32) for q in (q50, q4k, q6k))
     assert (w41.nbytes, w80.nbytes, w50.nbytes) == (q41.nbytes, q80.nbytes, q50.nbytes)
-    assert w4k.nbytes == 64 * 256 * (4 + 64 / 32) // 8  # K-quants: float32 S and O a group of 32
+    # K-quants: float32 S and O a group of 32 (Q4_K); Q6_K's 6-bit codes as nibbles and a plane of
+    # bits 4-5, and float32 S alone a group of 16 (O = -32 S)
+    assert w4k.nbytes == 64 * 256 * (4 + 64 / 32) // 8
+    assert w6k.nbytes == 64 * 256 * (6 + 32 / 16) // 8
     with pytest.raises(ValueError, match="none or int8"):
         with ops.quantized_activations("fp8"):
             pass

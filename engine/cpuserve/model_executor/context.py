@@ -18,7 +18,7 @@ class ForwardContext:
     seq_lens: torch.Tensor         # int32 [S]: context length after this step
     query_start_loc: torch.Tensor  # int32 [S+1]: token offsets of each sequence
     logits_indices: torch.Tensor   # int64 [R]: tokens whose logits are sampled
-    every_token_samples: bool = False  # R == T, in order (decode rows only): no gather of the rows
+    every_token_samples: bool = False  # R == T, every token's row in order: no gather of the rows
 
 
 _CONTEXT: ForwardContext | None = None

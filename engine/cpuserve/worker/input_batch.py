@@ -134,6 +134,7 @@ def scoring_inputs(token_ids: list[int], table: list[int], block_size: int) -> t
         seq_lens=torch.tensor([n], dtype=torch.int32),
         query_start_loc=torch.tensor([0, n], dtype=torch.int32),
         logits_indices=torch.arange(n, dtype=torch.int64),
+        every_token_samples=True,
     )
     return torch.tensor(token_ids, dtype=torch.int64), ctx
 
@@ -160,6 +161,7 @@ def packed_inputs(batch: list[list[int]], block_size: int) -> tuple[torch.Tensor
         seq_lens=torch.tensor(lens, dtype=torch.int32),
         query_start_loc=qsl,
         logits_indices=qsl[1:].to(torch.int64) - 1,
+        every_token_samples=all(n == 1 for n in lens),
     )
     return torch.tensor([t for ids in batch for t in ids], dtype=torch.int64), ctx
 

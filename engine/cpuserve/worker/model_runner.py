@@ -335,12 +335,9 @@ class ModelRunner:
             set_context(None)
         if not want_logits:
             return None
-        # the sampled rows increase (one a sequence at most): as many as the rows only when they are
-        # every row in order (a decode-only step), which needs no gather
-        if ctx.every_token_samples:
+        if ctx.every_token_samples:  # every row in order (decode steps, scoring): no gather
             return self.model.compute_logits(hidden)
-        rows = ctx.logits_indices
-        return self.model.compute_logits(hidden if rows.shape[0] == hidden.shape[0] else hidden[rows].contiguous())
+        return self.model.compute_logits(hidden[ctx.logits_indices].contiguous())
 
 
 def max_model_len(hf_config, want: int | None) -> int:

@@ -44,6 +44,7 @@ def test_scoring_inputs_take_logits_everywhere():
     assert ctx.slot_mapping.tolist() == [24, 25, 26, 27, 36]
     assert ctx.logits_indices.tolist() == [0, 1, 2, 3, 4]
     assert ctx.query_start_loc.tolist() == [0, 5] and ctx.seq_lens.tolist() == [5]
+    assert ctx.every_token_samples  # every row's logits, in order: no gather
 
 
 def test_packed_whole_sequences_start_on_blocks_of_their_own():
@@ -57,6 +58,8 @@ def test_packed_whole_sequences_start_on_blocks_of_their_own():
     assert ctx.query_start_loc.tolist() == [0, 5, 6, 10]
     assert ctx.seq_lens.tolist() == [5, 1, 4]
     assert ctx.logits_indices.tolist() == [4, 5, 9]   # each sequence's last token
+    assert not ctx.every_token_samples
+    assert packed_inputs([[1], [2], [3]], 4)[1].every_token_samples  # one token each: every row samples
 
 
 def _same_inputs(got, want):

@@ -72,12 +72,13 @@ constexpr int64_t qd_chunk_bytes(const QFormat& f) { return qd_code_bytes(f) + q
 // Factor i (0: S, 1: O) of column j, as the float path's float32 value.
 inline float qd_factor(const QFormat& f, const uint8_t* chunk, int i, int j) {
   const uint8_t* at = chunk + qd_code_bytes(f);
+  if (i == 1 && (qd_fac(f) == kQdF16S || qd_fac(f) == kQdF32S))
+    return qd_factor(f, chunk, 0, j) * -static_cast<float>(f.offset_code);
   if (qd_fac(f) == kQdF32 || qd_fac(f) == kQdF32S) {
     float v;
-    std::memcpy(&v, at + 4 * (qd_fac(f) == kQdF32 ? i * kI8NR + j : j), 4);
-    return qd_fac(f) == kQdF32 || i == 0 ? v : v * -static_cast<float>(f.offset_code);
+    std::memcpy(&v, at + 4 * (i * kI8NR + j), 4);
+    return v;
   }
-  if (i == 1 && qd_fac(f) == kQdF16S) return qd_factor(f, chunk, 0, j) * -static_cast<float>(f.offset_code);
   uint16_t b;
   std::memcpy(&b, at + 2 * (i * kI8NR + j), 2);
   return to_float(f16{b});

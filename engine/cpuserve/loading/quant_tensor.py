@@ -82,19 +82,44 @@ class QuantTensor:
 
 def cat_rows(parts: list):
     """Row concatenation of weights (fused projections): a tensor when every part is dense,
-    one QuantTensor when every part has the same type, else the list of parts (each is
-    packed on its own and fills its own columns of the output)."""
-    if all(isinstance(p, torch.Tensor) for p in parts):
-        return torch.cat(parts)
+    one QuantTensor or Int8Tensor when every part has the same storage, else a list of row
+    blocks, each a run of consecutive parts of one storage joined (a Q4_K_M file's q, k and v
+    as Q5_0, Q5_0 and Q8_0: two blocks, q and k in one GEMM), each packed on its own and
+    filling its own columns of the output."""
     perms = [getattr(p, "input_perm", None) for p in parts]
     if any(q is not None for q in perms) and not all(q is not None and torch.equal(q, perms[0]) for q in perms):
         raise ValueError("fused projections whose GPTQ act-order permutations differ are not supported")
-    if all(isinstance(p, Int8Tensor) for p in parts) and len({p.act_asym for p in parts}) == 1:
-        return Int8Tensor(torch.cat([p.data for p in parts]), torch.cat([p.scale for p in parts]), parts[0].act_asym)
-    if all(isinstance(p, QuantTensor) for p in parts) and len({p.qtype for p in parts}) == 1 \
-            and len({p.shape[1] for p in parts}) == 1:
-        return QuantTensor(torch.cat([p.data for p in parts]), parts[0].qtype, parts[0].shape[1], perms[0])
-    return list(parts)
+    runs: list[list] = []
+    for p in parts:
+        if runs and _storage_key(runs[-1][-1]) == _storage_key(p):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    blocks = [_join(run) for run in runs]
+    return blocks[0] if len(blocks) == 1 else blocks
+
+
+def _storage_key(p) -> tuple:
+    """Parts with equal keys join into one block: dense tensors (torch.cat widens mixed dtypes,
+    and packing gives every part the model's), W8A8 weights of one activation mode, GGUF blocks
+    of one type and width."""
+    if isinstance(p, torch.Tensor):
+        return ("dense",)
+    if isinstance(p, Int8Tensor):
+        return ("int8", p.act_asym)
+    return ("gguf", p.qtype, p.shape[1])
+
+
+def _join(run: list):
+    """One weight of the rows of `run`, parts whose _storage_key is the same."""
+    if len(run) == 1:
+        return run[0]
+    if isinstance(run[0], torch.Tensor):
+        return torch.cat(run)
+    if isinstance(run[0], Int8Tensor):
+        return Int8Tensor(torch.cat([p.data for p in run]), torch.cat([p.scale for p in run]), run[0].act_asym)
+    return QuantTensor(torch.cat([p.data for p in run]), run[0].qtype, run[0].shape[1],
+                       getattr(run[0], "input_perm", None))
 
 
 class Int8Tensor:

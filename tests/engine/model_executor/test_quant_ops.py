@@ -89,6 +89,22 @@ def test_slicing_permuting_and_concatenating_blocks():
     assert isinstance(mixed, list) and len(mixed) == 2
 
 
+def test_runs_of_one_type_join_into_one_block():
+    """A Q4_K_M file's q, k, v as Q5_0, Q5_0, Q8_0: q and k become one block (one GEMM), v its
+    own; a run broken by another type stays apart on both sides."""
+    q, k, v = (random_blocks(t, n, 128, seed=s) for t, n, s in (("Q5_0", 64, 5), ("Q5_0", 32, 6), ("Q8_0", 32, 7)))
+    blocks = cat_rows([q, k, v])
+    assert [(b.type_name, b.shape[0]) for b in blocks] == [("Q5_0", 96), ("Q8_0", 32)]
+    assert torch.equal(blocks[0].dequantize(), torch.cat([q.dequantize(), k.dequantize()]))
+    split = cat_rows([q, v, k])
+    assert [(b.type_name, b.shape[0]) for b in split] == [("Q5_0", 64), ("Q8_0", 32), ("Q5_0", 32)]
+    w = ops.pack(blocks, torch.float32)
+    assert ops.storage_name(w) == "Q5_0+Q8_0" and len(w.parts) == 2
+    ref = torch.cat([q.dequantize(), k.dequantize(), v.dequantize()])
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(ops.linear(x, w), x @ ref.T, rtol=1e-4, atol=1e-4)
+
+
 def test_stacked_weight_of_mixed_types_fills_its_columns():
     parts = [random_blocks("Q5_0", 64, 128, seed=3), random_blocks("Q8_0", 32, 128, seed=4),
              torch.randn(16, 128)]

@@ -23,10 +23,11 @@ NEEDED = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests that need the control plane are marked `cluster`: `make test-python` runs the
-    others (-m "not cluster"), `make test-operator` all of them."""
+    """Tests that need a control plane (the shared `cluster`, or the drills' own `plane`, which
+    starts one with an audit log) are marked `cluster`: `make test-python` runs the others (-m
+    "not cluster"), `make test-operator` all of them, so each runs once, after `make envtest`."""
     for item in items:
-        if "cluster" in getattr(item, "fixturenames", ()):
+        if {"cluster", "plane"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.cluster)
 
 

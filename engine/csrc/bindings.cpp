@@ -232,7 +232,7 @@ void bind_layer_kernels(KernelsClass& cls) {
            py::arg("k_scale") = 1.f, py::arg("v_scale") = 1.f, G());
 }
 
-// -- float linears, and the roofline's read probe and the sampler's argmax
+// -- float linears, and the roofline's read probe, the sampler's argmax and the greedy LM head
 void bind_float_kernels(KernelsClass& cls) {
   cls.def("pack_weight", [](const Kernels& k, uintptr_t dst, uintptr_t src, int dt, int64_t n, int64_t kk) {
              k.t->pack_weight(ptr<void>(dst), ptr<const void>(src), to_dtype(dt), n, kk);
@@ -252,6 +252,11 @@ void bind_float_kernels(KernelsClass& cls) {
            G())
       .def("argmax", [](const Kernels& k, uintptr_t out, uintptr_t x, int64_t rows, int64_t n, int64_t xs) {
              k.t->argmax(ptr<int64_t>(out), ptr<const float>(x), rows, n, xs);
+           }, G())
+      .def("greedy_head", [](const Kernels& k, uintptr_t out, uintptr_t approx, int64_t as, uintptr_t x, int64_t xs,
+                             uintptr_t w, uintptr_t norms, float norm_max, int64_t rows, int64_t n, int64_t kk) {
+             return k.t->greedy_head(ptr<int64_t>(out), ptr<const float>(approx), as, ptr<const float>(x), xs,
+                                     ptr<const float>(w), ptr<const float>(norms), norm_max, rows, n, kk);
            }, G());
 }
 

@@ -8,6 +8,7 @@
 #include "kernels/cache.hpp"
 #include "kernels/gated_gemm.hpp"
 #include "kernels/gemm.hpp"
+#include "kernels/greedy_head.hpp"
 #include "kernels/int8.hpp"
 #include "kernels/norm.hpp"
 #include "kernels/peak.hpp"
@@ -55,6 +56,7 @@ const KernelTable* CPUSERVE_TABLE_FN() {
       &read_sum_impl,
       &peak_flops_impl,
       &argmax_impl,
+      &greedy_head_impl,
   };
   return &table;
 }

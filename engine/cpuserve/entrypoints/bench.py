@@ -177,7 +177,8 @@ def measure_machine(hidden: int, ffn: int) -> Machine:
 # -- the engine ---------------------------------------------------------------------------------
 # the gate/up GEMM with its fused SiLU-and-mul (ops.linear_silu) counts as GEMM: uncounted, it
 # fell into 'Python and scheduling'
-CATEGORIES = {"linear": "GEMM", "linear_silu": "GEMM", "paged_attention": "attention"}
+CATEGORIES = {"linear": "GEMM", "linear_silu": "GEMM", "paged_attention": "attention",
+              "greedy_head": "sampler"}  # greedy rows' token from a float32 head's bfloat16 copy
 
 
 class StepProfile:
@@ -193,7 +194,7 @@ class StepProfile:
         from cpuserve.worker import sampler
 
         for name in ("linear", "linear_silu", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul",
-                     "gelu_and_mul", "reshape_and_cache"):
+                     "gelu_and_mul", "reshape_and_cache", "greedy_head"):
             self._wrap(ops, name, CATEGORIES.get(name, name))
         self._wrap(sampler.Sampler, "__call__", "sampler")
         return self
@@ -272,13 +273,16 @@ def decode_steps(llm, batch: int, tokens: int, prompt_len: int = PROMPT_LEN,
 
 
 def model_size(llm) -> tuple[int, int]:
-    """(bytes a decode step reads from the weights, parameters multiplied per token): every
-    packed linear weight, the LM head included, not the embedding table (one row a token)."""
+    """(bytes a greedy decode step reads from the weights, parameters multiplied per token): every
+    packed linear weight, the LM head included, not the embedding table (one row a token); a
+    float32 head with a bfloat16 copy for greedy rows (LMHead.greedy) as that copy."""
     from cpuserve.worker.model_runner import packed_weights, tensor_bytes
 
     model = llm.engine.runner.model
     head = {id(w) for w in packed_weights(model.lm_head)}
     lookup = {id(w) for w in packed_weights(getattr(model, "embed", None))} - head
+    if getattr(model.lm_head, "greedy_copy", None) is not None:
+        lookup.add(id(model.lm_head.weight))
     packed = [w for w in packed_weights(model) if id(w) not in lookup]
     return sum(tensor_bytes(w.data) for w in packed), sum(w.n * w.k for w in packed)
 

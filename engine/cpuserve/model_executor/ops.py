@@ -85,6 +85,25 @@ def argmax(x: torch.Tensor, k=KERNELS) -> torch.Tensor:
     return out
 
 
+def greedy_head(approx: torch.Tensor, x: torch.Tensor, w: "PackedWeight", norms: torch.Tensor, norm_max: float,
+                k=KERNELS) -> tuple[torch.Tensor, int]:
+    """argmax(linear(x, w)) for a float32 packed `w` [V, K], decided from approx = linear(x, the
+    same weight packed in bfloat16) and norms[t] >= |w_t|: (tokens [R] int64, -1 where a row is
+    undecided, and how many are). The same tokens as ops.argmax(linear(x, w)), bit for bit
+    (kernels/greedy_head.hpp has the bound and why)."""
+    _f32(approx, "approx")
+    _f32(x, "x")
+    if not isinstance(w, PackedWeight) or w.dtype != torch.float32:
+        raise TypeError("greedy_head: w must be a float32 weight from pack()")
+    if approx.shape != (x.shape[0], w.n) or x.shape[1] != w.k or norms.shape != (w.n,) or norms.dtype != torch.float32:
+        raise ValueError(f"greedy_head: approx {tuple(approx.shape)}, x {tuple(x.shape)} and norms "
+                         f"{tuple(norms.shape)} do not fit a [{w.n}, {w.k}] weight")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    undecided = k.greedy_head(out.data_ptr(), approx.data_ptr(), approx.stride(0), x.data_ptr(), x.stride(0),
+                              w.data.data_ptr(), norms.contiguous().data_ptr(), norm_max, x.shape[0], w.n, w.k)
+    return out, undecided
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
              k=KERNELS) -> torch.Tensor:
     """out = x / rms(x) * weight over the last dimension (x: [rows, dim])."""

@@ -283,6 +283,10 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[dict | None]]:
         """Runs the model on the batch; returns the sequences that sampled, their tokens and logprobs."""
         input_ids, ctx, samplers = self.decode_inputs(batch) or prepare_inputs(batch, self.block_size)
+        if samplers and self.ranks is None and self.model.lm_head.greedy_copy is not None \
+                and self.sampler.plain(samplers):
+            tokens = self._run(input_ids, ctx, "argmax")
+            return samplers, tokens.tolist(), [None] * len(samplers)
         logits = self._run(input_ids, ctx, bool(samplers))
         if not samplers:
             return [], [], []
@@ -315,7 +319,7 @@ class ModelRunner:
         finally:
             set_context(None)
 
-    def _run(self, input_ids: torch.Tensor, ctx: ForwardContext, want_logits: bool) -> torch.Tensor | None:
+    def _run(self, input_ids: torch.Tensor, ctx: ForwardContext, want_logits: bool | str) -> torch.Tensor | None:
         """Rank 0: the step on every rank."""
         if self.ranks is None:
             return self.forward(input_ids, ctx, want_logits)
@@ -326,8 +330,9 @@ class ModelRunner:
             raise self.ranks.failure(e) from None
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, want_logits: bool) -> torch.Tensor | None:
-        """This rank's part of one step; the logits (gathered over ranks) at ctx.logits_indices."""
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, want_logits: bool | str) -> torch.Tensor | None:
+        """This rank's part of one step; the logits (gathered over ranks) at ctx.logits_indices, or
+        with want_logits "argmax" their argmax alone (one rank, a head with a greedy copy)."""
         set_context(ctx)
         try:
             hidden = self.model.forward(input_ids, ctx.positions)
@@ -335,9 +340,11 @@ class ModelRunner:
             set_context(None)
         if not want_logits:
             return None
-        if ctx.every_token_samples:  # every row in order (decode steps, scoring): no gather
-            return self.model.compute_logits(hidden)
-        return self.model.compute_logits(hidden[ctx.logits_indices].contiguous())
+        if not ctx.every_token_samples:  # else every row in order (decode steps, scoring): no gather
+            hidden = hidden[ctx.logits_indices].contiguous()
+        if want_logits == "argmax":
+            return self.model.lm_head.greedy(hidden)
+        return self.model.compute_logits(hidden)
 
 
 def max_model_len(hf_config, want: int | None) -> int:

@@ -117,12 +117,15 @@ class Sampler:
         logits.index_copy_(0, idx, sub)
 
     def _plain_argmax(self, logits: torch.Tensor, seqs: list[Sequence]) -> bool:
-        """Whether every row is the argmax of its raw logits with no logprobs (greedy with nothing
-        to process or constrain): one kernel call then, without the general path's passes over the
-        rows, which cost a batch-1 step tens of microseconds with Python's caches cold after the
-        weights streamed through them."""
-        if logits.dtype != torch.float32 or logits.stride(-1) != 1:
-            return False
+        """Whether every row is the argmax of its raw logits (`plain`): one kernel call then, without
+        the general path's passes over the rows, which cost a batch-1 step tens of microseconds with
+        Python's caches cold after the weights streamed through them."""
+        return logits.dtype == torch.float32 and logits.stride(-1) == 1 and self.plain(seqs)
+
+    def plain(self, seqs: list[Sequence]) -> bool:
+        """Whether every sequence's token is the argmax of its raw logits, with no logprobs: greedy
+        with nothing to process or constrain (the model runner then asks the LM head for the
+        argmax alone, layers/embedding.py LMHead.greedy)."""
         for s in seqs:
             if s.matcher is not None or s.params.logprobs is not None or not s.params.greedy or self._processes(s):
                 return False

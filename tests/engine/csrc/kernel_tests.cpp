@@ -397,6 +397,64 @@ TEST(Gemm, SameBitsAnyThreadCountEveryTable) {
   omp_set_num_threads(before);
 }
 
+// The greedy LM head (kernels/greedy_head.hpp) answers what the same table's float32 GEMM and
+// argmax answer, on every table: rows far apart, near ties (columns whose logits differ by less
+// than the bfloat16 copy can tell), exact ties (the first index), a zero row (all logits 0), rows
+// with a NaN or an infinity (left undecided: -1), a vocabulary that is not a whole number of
+// vectors, and several thread counts.
+TEST(GreedyHead, SameTokenAsFloat32GemmArgmaxEveryTable) {
+  std::vector<const KernelTable*> tables = vector_tables();
+  tables.push_back(table_scalar());
+  const int before = omp_get_max_threads();
+  for (const KernelTable* tab : tables)
+    for (int64_t n : {1000, 4099}) {
+      const int64_t k = 96, m = 8;
+      auto w = randn(n * k, 41, 0.2f);
+      for (int64_t i = 0; i < k; ++i) {  // near ties: column 7 ~ column 900 + tiny, 300 == 301
+        w[900 * k + i] = w[7 * k + i] * (1.f + 1e-6f * float(i % 3));
+        w[301 * k + i] = w[300 * k + i];
+      }
+      auto a = randn(m * k, 42);
+      for (int64_t i = 0; i < k; ++i) a[1 * k + i] = w[7 * k + i];      // row 1: 7 vs 900, closer than bf16
+      for (int64_t i = 0; i < k; ++i) a[2 * k + i] = 3 * w[300 * k + i];  // row 2: the tie 300 / 301
+      std::fill(a.begin() + 3 * k, a.begin() + 4 * k, 0.f);               // row 3: every logit 0
+      a[4 * k + 5] = NAN;
+      a[5 * k + 9] = INFINITY;
+      std::vector<float> packed(packed_size<float>(tab, n, k));
+      tab->pack_weight(packed.data(), w.data(), DType::F32, n, k);
+      auto wb = convert<bf16>(w);
+      std::vector<bf16> packed_b(packed_size<bf16>(tab, n, k));
+      tab->pack_weight(packed_b.data(), wb.data(), DType::BF16, n, k);
+      std::vector<float> logits(m * n), approx(m * n), norms(n);
+      tab->gemm(logits.data(), a.data(), packed.data(), DType::F32, nullptr, m, n, k, k, n);
+      tab->gemm(approx.data(), a.data(), packed_b.data(), DType::BF16, nullptr, m, n, k, k, n);
+      float norm_max = 0.f;
+      for (int64_t t = 0; t < n; ++t) {
+        double s = 0;
+        for (int64_t i = 0; i < k; ++i) s += double(w[t * k + i]) * w[t * k + i];
+        norms[t] = float(std::sqrt(s) * (1 + 1e-6));
+        norm_max = std::max(norm_max, norms[t]);
+      }
+      for (int threads : {1, 2, 3}) {
+        omp_set_num_threads(threads);
+        std::vector<int64_t> got(m);
+        const int64_t undecided = tab->greedy_head(got.data(), approx.data(), n, a.data(), k, packed.data(),
+                                                   norms.data(), norm_max, m, n, k);
+        EXPECT_EQ(undecided, 2) << tab->isa;
+        for (int64_t r = 0; r < m; ++r) {
+          if (r == 4 || r == 5) {
+            EXPECT_EQ(got[r], -1) << tab->isa << " row " << r;
+            continue;
+          }
+          EXPECT_EQ(got[r], argmax_reference(logits.data() + r * n, n)) << tab->isa << " n " << n << " row " << r;
+        }
+        EXPECT_EQ(got[2], 300) << tab->isa;
+        EXPECT_EQ(got[3], 0) << tab->isa;
+      }
+    }
+  omp_set_num_threads(before);
+}
+
 // The arithmetic peak probe (kernels/peak.hpp) counts every thread's chains: its FLOPs double
 // with its steps and grow with the threads, and only the tables with bf16 pair dot products
 // (avx512_bf16, amx) run pairs, counted as two multiply-adds a lane. NEON and VXE run it under

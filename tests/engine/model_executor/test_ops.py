@@ -102,6 +102,48 @@ def test_argmax_rejects_bad_input():
         ops.argmax(torch.zeros(5))
 
 
+@pytest.mark.parametrize("n", [50, 5003])
+def test_greedy_head(kern, n):
+    """The greedy LM head's token is the float32 GEMM's argmax bit for bit (ops.argmax of
+    ops.linear on the same table), and torch's argmax where the top two logits are apart: on rows
+    far apart, a near tie closer than the bfloat16 copy can resolve, an exact tie (the first index
+    wins), a zero row, strided rows; a NaN or an infinity leaves its row undecided (-1)."""
+    from cpuserve.model_executor.layers.embedding import row_norms_above
+    torch.manual_seed(n)
+    k = 576
+    w = torch.randn(n, k) * 0.13
+    w[n - 1] = w[7] * (1 + 1e-6 * (torch.arange(k) % 3))  # 7 and n - 1: logits closer than bfloat16 tells
+    w[31] = w[30]                                        # an exact tie
+    x = torch.randn(7, k + 3)[:, 2:k + 2] * 2            # strided rows
+    x[1] = 4 * w[7]
+    x[2] = 5 * w[30]
+    x[3] = 0
+    x[4, 5] = float("nan")
+    x[5, 9] = float("inf")
+    pw, pb = ops.PackedWeight(w, k=kern), ops.PackedWeight(w.bfloat16(), k=kern)
+    norms = row_norms_above(w)
+    assert bool((norms.double() >= w.double().norm(dim=1)).all())
+    tokens, undecided = ops.greedy_head(ops.linear(x, pb, k=kern), x, pw, norms, float(norms.max()), k=kern)
+    want = ops.argmax(ops.linear(x, pw, k=kern), k=kern)
+    assert undecided == 2 and tokens[4] == tokens[5] == -1
+    keep = [0, 1, 2, 3, 6]
+    assert torch.equal(tokens[keep], want[keep])
+    assert tokens[2] == 30 and tokens[3] == 0
+    logits = ref.linear(x.double(), w.double(), None)
+    top2 = logits[keep].topk(2, dim=1)
+    apart = (top2.values[:, 0] - top2.values[:, 1]) > 1e-3
+    assert torch.equal(tokens[keep][apart], top2.indices[:, 0][apart])
+
+
+def test_greedy_head_rejects_bad_input():
+    w = ops.PackedWeight(torch.randn(40, 8))
+    x, norms = torch.randn(2, 8), torch.ones(40)
+    with pytest.raises(TypeError, match="float32 weight"):
+        ops.greedy_head(torch.zeros(2, 40), x, ops.PackedWeight(torch.randn(40, 8).bfloat16()), norms, 1.0)
+    with pytest.raises(ValueError, match="do not fit"):
+        ops.greedy_head(torch.zeros(2, 39), x, w, norms, 1.0)
+
+
 @pytest.mark.parametrize("approximate", ["tanh", "none"])
 def test_gelu_and_mul(kern, approximate):
     x = torch.randn(7, 2 * 45) * 3

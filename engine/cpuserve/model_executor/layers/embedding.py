@@ -1,6 +1,8 @@
 """Token embedding and the LM head (which may share its table)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from cpuserve.model_executor import ops
@@ -34,6 +36,20 @@ class Embedding:
         return x.float()
 
 
+def greedy_head_enabled() -> bool:
+    """CPUSERVE_GREEDY_HEAD=0 turns off greedy rows' bfloat16 copy of a float32 LM head."""
+    return os.environ.get("CPUSERVE_GREEDY_HEAD", "1") != "0"
+
+
+def row_norms_above(w: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """|w_t|_2 of each row as float32 no smaller than the real norm (in float64, a chunk of rows
+    at a time, then nudged up past float32's rounding)."""
+    out = torch.empty(w.shape[0], dtype=torch.float32)
+    for i in range(0, w.shape[0], chunk):
+        out[i:i + chunk] = (w[i:i + chunk].double().norm(dim=1) * (1 + 2.0 ** -20)).float()
+    return out
+
+
 class LMHead:
     """Column-parallel over the vocabulary; logits gathered across ranks. (The
     embedding itself is replicated: a lookup is cheap, and a vocab-parallel one
@@ -48,6 +64,31 @@ class LMHead:
         self.bias = bias[start:start + n].float().contiguous() if bias is not None else None
         self.tp = tp
         self.final_softcap = final_softcap
+        self.greedy_copy = None  # greedy rows' bfloat16 copy of a float32 head (see `greedy`)
+        if dtype == torch.float32 and packed is None and isinstance(weight, torch.Tensor) and bias is None \
+                and not final_softcap and tp.size == 1 and greedy_head_enabled():
+            w = weight.to(torch.float32)
+            self.greedy_copy = ops.pack(w, torch.bfloat16)
+            self.greedy_norms = row_norms_above(w)
+            self.greedy_norm_max = float(self.greedy_norms.max()) if w.shape[0] else 0.0
+
+    def greedy(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The argmax of each row's logits (greedy sampling with nothing else asked of the
+        logits), or None where this head has no bfloat16 copy (it is not float32, or its logits
+        are capped, biased or split over ranks). The same tokens as argmax(self(x)), bit for bit,
+        from the copy's approximate logits (half the bytes, and twice the multiply rate where the
+        CPU has bfloat16 pair dot products) with a proven bound on their distance from the float32
+        ones: the few logits the bound cannot rule out are computed in float32 the way the float32
+        GEMM computes them (kernels/greedy_head.hpp), and a row it cannot decide (a non-finite
+        value) gets its float32 logits."""
+        if self.greedy_copy is None:
+            return None
+        tokens, undecided = ops.greedy_head(ops.linear(x, self.greedy_copy), x, self.weight, self.greedy_norms,
+                                            self.greedy_norm_max)
+        if undecided:
+            rows = torch.nonzero(tokens < 0).flatten()
+            tokens[rows] = ops.argmax(ops.linear(x[rows].contiguous(), self.weight))
+        return tokens
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.tp.all_gather_last_dim(ops.linear(x, self.weight, self.bias), self.sizes)

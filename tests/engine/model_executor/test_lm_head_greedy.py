@@ -1,0 +1,87 @@
+"""Greedy rows' LM head on its bfloat16 copy (layers/embedding.py LMHead.greedy, kernels/
+greedy_head.hpp) on the real model in float32: the same tokens as the float32 logits' argmax,
+bit for bit, and taken only where a step's every row is plain greedy."""
+import pytest
+import torch
+
+from cpuserve import SamplingParams
+from cpuserve.model_executor import ops
+from tests.engine.conftest import PROMPTS
+
+
+@pytest.fixture(scope="module")
+def llm_f32():
+    """The default model with every weight widened to float32 (the benchmarks' float32 rows; the
+    shared llm_f32 keeps its GGUF blocks, whose head is quantized)."""
+    from cpuserve import LLM
+    return LLM(dtype="float32", quantization="none", block_size=16, kv_cache_space=0.5)
+
+
+@pytest.fixture()
+def head(llm_f32):
+    head = llm_f32.engine.runner.model.lm_head
+    assert head.greedy_copy is not None, "a float32 head on one rank keeps a bfloat16 copy for greedy rows"
+    return head
+
+
+@pytest.fixture()
+def calls(head, monkeypatch):
+    """How many times the runner asked the head for greedy tokens (rows in total)."""
+    seen = []
+    original = type(head).greedy
+
+    def counted(self, x):
+        seen.append(x.shape[0])
+        return original(self, x)
+    monkeypatch.setattr(type(head), "greedy", counted)
+    return seen
+
+
+def _generate(llm, params, prompts=PROMPTS):
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt": p} for p in prompts], params)]
+
+
+def test_same_tokens_as_float32_logits(llm_f32, head, calls):
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    with_copy = _generate(llm_f32, params)
+    assert sum(calls) >= 48 * len(PROMPTS) - len(PROMPTS)  # every decode row went through it
+    copy, head.greedy_copy = head.greedy_copy, None
+    try:
+        without = _generate(llm_f32, params)
+    finally:
+        head.greedy_copy = copy
+    assert with_copy == without
+
+
+def test_decides_every_real_row(llm_f32, head):
+    """On the model's own final hidden states (prompts and their continuations, scored in one
+    pass each): no row left to the float32 fallback, and each token the float32 argmax."""
+    runner = llm_f32.engine.runner
+    hidden = []
+    original = runner.model.compute_logits
+    runner.model.compute_logits = lambda h: (hidden.append(h.clone()), original(h))[1]
+    try:
+        for p in PROMPTS[:4]:
+            runner.logits_for(llm_f32.get_tokenizer().encode(p) + list(range(500, 564)))
+    finally:
+        runner.model.compute_logits = original
+    x = torch.cat(hidden)
+    tokens, undecided = ops.greedy_head(ops.linear(x, head.greedy_copy), x, head.weight, head.greedy_norms,
+                                        head.greedy_norm_max)
+    assert undecided == 0 and x.shape[0] > 200
+    assert torch.equal(tokens, ops.argmax(head(x)))
+    assert torch.equal(head.greedy(x), tokens)
+
+
+def test_other_rows_keep_the_float32_logits(llm_f32, calls):
+    """A step with a sampled row, or a greedy row that asks for logprobs or a penalty, computes
+    every row's float32 logits; the greedy row's tokens are the same either way."""
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    alone = _generate(llm_f32, greedy, PROMPTS[:1])[0]
+    calls.clear()
+    for other in (SamplingParams(temperature=0.8, seed=1, max_tokens=16, ignore_eos=True),
+                  SamplingParams(temperature=0, logprobs=2, max_tokens=16, ignore_eos=True),
+                  SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=16, ignore_eos=True)):
+        outs = llm_f32.generate([{"prompt": PROMPTS[0]}, {"prompt": PROMPTS[1]}], [greedy, other])
+        assert outs[0].outputs[0].token_ids == alone
+        assert calls == []

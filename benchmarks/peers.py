@@ -673,7 +673,9 @@ def counterpart(name: str) -> str:
 
 
 def weight_bytes(name: str, roof: dict) -> int:
-    """Bytes a decode step reads: the float32, bfloat16 or W8A8 matrices, or the GGUF file."""
+    """Bytes a greedy decode step reads: the float32, bfloat16 or W8A8 matrices, or the GGUF file;
+    cpuserve's float32 with its LM head's bfloat16 copy (LMHead.greedy), the peers' with the
+    float32 head they compute every logit from."""
     for kind in ("bfloat16", "W8A8"):
         if name.endswith(kind):
             return roof["engines"][kind.lower()]["weight_bytes"]
@@ -681,7 +683,8 @@ def weight_bytes(name: str, roof: dict) -> int:
         kind = name.split()[-1]
         f = CACHE / "models" / f"smollm2-135m-{kind.lower()}.gguf" if kind != "Q4_1" else models()[0]
         return f.stat().st_size
-    return roof["engines"]["float32"]["weight_bytes"]
+    f32 = roof["engines"]["float32"]
+    return f32["weight_bytes"] if name.startswith("cpuserve") else f32.get("full_bytes", f32["weight_bytes"])
 
 
 def plot(res: dict) -> None:

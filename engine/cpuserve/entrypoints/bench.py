@@ -272,17 +272,19 @@ def decode_steps(llm, batch: int, tokens: int, prompt_len: int = PROMPT_LEN,
     return sorted(steps)[len(steps) // 2], share
 
 
-def model_size(llm) -> tuple[int, int]:
+def model_size(llm, greedy: bool = True) -> tuple[int, int]:
     """(bytes a greedy decode step reads from the weights, parameters multiplied per token): every
     packed linear weight, the LM head included, not the embedding table (one row a token); a
-    float32 head with a bfloat16 copy for greedy rows (LMHead.greedy) as that copy."""
+    float32 head with a bfloat16 copy for greedy rows (LMHead.greedy) as that copy, unless not
+    `greedy` (what a step computing every float32 logit reads, as the peers' do)."""
     from cpuserve.worker.model_runner import packed_weights, tensor_bytes
 
     model = llm.engine.runner.model
     head = {id(w) for w in packed_weights(model.lm_head)}
     lookup = {id(w) for w in packed_weights(getattr(model, "embed", None))} - head
-    if getattr(model.lm_head, "greedy_copy", None) is not None:
-        lookup.add(id(model.lm_head.weight))
+    copy = getattr(model.lm_head, "greedy_copy", None)
+    if copy is not None:
+        lookup.add(id(model.lm_head.weight) if greedy else id(copy))
     packed = [w for w in packed_weights(model) if id(w) not in lookup]
     return sum(tensor_bytes(w.data) for w in packed), sum(w.n * w.k for w in packed)
 
@@ -314,12 +316,14 @@ def run(dtypes=ENGINES, batch: int = 64, tokens: int = 32, prompt_len: int = PRO
             machine = measure_machine(c.hidden_size, c.intermediate_size)
             out["machine"] = asdict(machine)
         weight_bytes, params = model_size(llm)
+        full_bytes = model_size(llm, greedy=False)[0]
         windows = batch1_windows(llm, tokens, prompt_len=prompt_len)  # each against its own minute's bandwidth
         _, one_profile = decode_steps(llm, 1, tokens, prompt_len)
         big, big_profile = decode_steps(llm, batch, tokens, prompt_len)
         peak = max(machine.kernel_gflops[dtype], machine.torch_gflops["float32"])
         out["engines"][dtype] = {
-            "weight_bytes": weight_bytes, "params": params, **paired_fractions(weight_bytes, windows),
+            "weight_bytes": weight_bytes, "full_bytes": full_bytes, "params": params,
+            **paired_fractions(weight_bytes, windows),
             "batch1_windows": [[gbs, step * 1e3, ns] for gbs, step, ns in windows], f"batch{batch}_tok_s": batch / big,
             f"batch{batch}_gflops": 2 * params * batch / big / GB,
             f"batch{batch}_of_kernel_peak": 2 * params * batch / big / GB / machine.kernel_gflops[dtype],

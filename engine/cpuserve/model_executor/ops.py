@@ -98,9 +98,9 @@ def greedy_head(approx: torch.Tensor, x: torch.Tensor, w: "PackedWeight", norms:
     if approx.shape != (x.shape[0], w.n) or x.shape[1] != w.k or norms.shape != (w.n,) or norms.dtype != torch.float32:
         raise ValueError(f"greedy_head: approx {tuple(approx.shape)}, x {tuple(x.shape)} and norms "
                          f"{tuple(norms.shape)} do not fit a [{w.n}, {w.k}] weight")
-    out = torch.empty(x.shape[0], dtype=torch.int64)
+    out, norms = torch.empty(x.shape[0], dtype=torch.int64), norms.contiguous()
     undecided = k.greedy_head(out.data_ptr(), approx.data_ptr(), approx.stride(0), x.data_ptr(), x.stride(0),
-                              w.data.data_ptr(), norms.contiguous().data_ptr(), norm_max, x.shape[0], w.n, w.k)
+                              w.data.data_ptr(), norms.data_ptr(), norm_max, x.shape[0], w.n, w.k)
     return out, undecided
 
 

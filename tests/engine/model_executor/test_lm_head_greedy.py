@@ -85,3 +85,13 @@ def test_other_rows_keep_the_float32_logits(llm_f32, calls):
         outs = llm_f32.generate([{"prompt": PROMPTS[0]}, {"prompt": PROMPTS[1]}], [greedy, other])
         assert outs[0].outputs[0].token_ids == alone
         assert calls == []
+
+
+def test_bench_counts_what_a_greedy_step_reads(llm_f32, head):
+    """`cpuserve bench`'s bytes a token: the copy in place of the float32 head for our greedy
+    steps, the float32 head for a step that computes every logit (the peers' bound)."""
+    from cpuserve.entrypoints import bench
+    greedy_bytes, params = bench.model_size(llm_f32)
+    full_bytes, full_params = bench.model_size(llm_f32, greedy=False)
+    assert params == full_params
+    assert full_bytes - greedy_bytes == head.weight.nbytes - head.greedy_copy.nbytes == head.weight.nbytes // 2

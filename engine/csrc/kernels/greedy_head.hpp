@@ -120,7 +120,7 @@ int64_t greedy_head_impl(int64_t* out, const float* approx, int64_t approx_strid
   int64_t undecided = 0;
 #pragma omp parallel if (rows > 1) reduction(+ : undecided)
   {
-    std::vector<float> block_hi;
+    thread_local std::vector<float> block_hi;  // kept between calls: no allocation once warm
     alignas(64) float tmp[VecF::N];
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {

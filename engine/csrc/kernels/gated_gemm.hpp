@@ -46,7 +46,7 @@ inline void gated_chunk(const TA* a, int64_t lda, const T* w, int64_t k, int64_t
         continue;
       }
       const int64_t tr = tile_rows<T>(m1 - m0), tiles = (m1 - m0 + tr - 1) / tr;
-      const Prefetch next = tiles > 1 ? pf(half, k0, kc) : Prefetch{};  // as gemm_t
+      const Prefetch next = tiles > 1 && paces_prefetch<T>(tr) ? pf(half, k0, kc) : Prefetch{};  // as gemm_t
       for (int64_t r = m0, t = 0; r < m1; r += tr, ++t)
         micro_rows(static_cast<int>(std::min<int64_t>(tr, m1 - r)), a + r * lda + k0, lda, wp, k, k0, kc,
                    c + (r - m0) * ld, ld, 0, 1, kNR, k0 == 0, next.slice(t, tiles));

@@ -190,6 +190,21 @@ constexpr bool kFetchTileOfC = false;
 // bfloat16 1.12-1.24x; 4 steps 1.05x / 1.09x; none at all 1.24x float32, level bfloat16.
 constexpr int64_t kDecodeAhead = 1;
 
+// Whether a micro-kernel of MR rows over weights of type T paces the fetch of the next weight chunk
+// (`pf`, kernels/prefetch.hpp) through its k loop: all but the bfloat16 pair tiles of more than
+// kPassRows rows (a batch of more than 16 rows on vdpbf16ps), which run from the L2 at their
+// arithmetic's rate and gained nothing from the fetch, while its bookkeeping in the k loop, beside
+// 9-12 row pointers, left the loop short of general registers (row pointers reloaded from the stack
+// or moved back from vector registers at every step). The default model's four layer GEMMs (the
+// SiLU-gated gate/up among them), AMD EPYC Zen 4, two threads, the two builds in one process
+// taking turns (medians of 9-15 rounds, time new / old): cached weights 1,024 and 256 rows 0.94x,
+// 64 rows 0.96x; 30 layers' weights from memory 64 and 32 rows 0.97x; 16 rows (8-row tiles, which
+// keep the fetch: without it they took 1.06x) and float32 level. The same chains: the same bits.
+template <typename T>
+constexpr bool paces_prefetch(int64_t rows) {
+  return !(std::is_same_v<T, bf16x2> && kBf16Pairs && rows > kPassRows);
+}
+
 // MR x (NP panels of NR) micro-kernel over one K block, `pf` (kernels/prefetch.hpp) fetched
 // evenly over its k loop (64 rows of float32 on weights from memory: 380 -> 430 GFLOP/s,
 // against 450-475 on cached ones). `first` starts the chain
@@ -265,7 +280,8 @@ template <int MR, int NP, typename T, typename TA = AOf<T>>
         }
       }
     }
-    for (pf_acc += pf.count; pf_acc >= kc; pf_acc -= kc) pf.line(pf_line++);
+    if constexpr (paces_prefetch<T>(MR))
+      for (pf_acc += pf.count; pf_acc >= kc; pf_acc -= kc) pf.line(pf_line++);
   }
   for (int r = 0; r < MR; ++r)
     for (int q = 0; q < NP; ++q) {
@@ -389,7 +405,8 @@ void gemm_t(float* c, const TA* a, const T* w, const float* bias, int64_t m, int
       const int64_t tr = tile_rows<T>(m1 - m0), tiles = (m1 - m0 + tr - 1) / tr;
       for (int64_t p = p0; p < p1; ++p) {  // one panel chunk reused by every row tile
         // one row tile streams its chunk once: the hardware prefetchers keep up with that alone
-        const Prefetch next = tiles > 1 ? next_chunk(w, k, k0, kc_max, p, p0, p1, panels) : Prefetch{};
+        const bool fetch = tiles > 1 && paces_prefetch<T>(tr);
+        const Prefetch next = fetch ? next_chunk(w, k, k0, kc_max, p, p0, p1, panels) : Prefetch{};
         for (int64_t r = m0, t = 0; r < m1; r += tr, ++t) {
           const int mr = static_cast<int>(std::min<int64_t>(tr, m1 - r));
           micro_rows(mr, a + r * lda + k0, lda, w, k, k0, kc, c + r * ldc, ldc, p, p + 1, n, k0 == 0,

@@ -77,10 +77,25 @@ constexpr int kScoreKB = VecF::kRegs >= 32 ? 4 : 2;
 // turns: float32 16 sequences 350-403 -> 269-272 us a layer, 64 sequences 1,375-1,399 -> 966-977;
 // bfloat16 16 sequences 215-230 -> 191-210. Prefill keeps 6 x 4 (3 x 8 made a 2,048-token
 // prefill's attention 8% slower in float32, 21% in bfloat16). The same chains: the same bits.
-constexpr int kDecodeQB = VecF::kRegs >= 32 ? 3 : kScoreQB;
-constexpr int kDecodeKB = VecF::kRegs >= 32 ? 8 : kScoreKB;
+// With 16 registers (AVX2) the scores take 3 x 4 (12 accumulators; the compiler reads one key
+// vector from memory: a group of 4 takes 3 + 1), a quarter of a float32 block's key row a pass,
+// each pass fetching the next one's lines (scores_blocked); the values take one row at a time
+// over 8 vectors, a value row of SmolLM2's 64 elements whole (kDecodeValueR, kDecodeValueV), where
+// 2 rows x 4 vectors read half rows, rows 0-1 and then row 2 each in two passes, and the 4 x 2
+// scores an eighth of a key row a pass. AVX2's decode attention had run at 1.7x AVX-512's time on
+// the same FMA units, its loads waiting on lines the prefetchers did not bring. The AVX2 table on
+// AMD EPYC Zen 4, two threads, 30 layers' caches from memory, old and new in one process taking
+// turns (medians of 9): float32 64 sequences of 136 / 200 tokens 0.73x / 0.76x the time, 16 of 200
+// 0.80x, one of 1,000 0.63x; bfloat16 64 of 136 0.91x, 16 of 200 0.88x. In `cpuserve bench` with
+// CPUSERVE_ISA=avx2, the builds taking turns by process: the 64-row float32 step's attention 19.5-
+// 20.8 -> 15.7-16.4 ms, the step 92.6-94.1 -> 89.8-90.7 ms; bfloat16's attention 12.9-15.3 ->
+// 10.6-12.3. The tables with 32 registers keep their blocking (AVX-512 reads whole rows already).
+constexpr int kDecodeQB = 3;
+constexpr int kDecodeKB = VecF::kRegs >= 32 ? 8 : 4;
 constexpr int kValueR = VecF::kRegs >= 32 ? 6 : 2;
 constexpr int kValueV = 4;
+constexpr int kDecodeValueR = VecF::kRegs >= 32 ? kValueR : 1;
+constexpr int kDecodeValueV = VecF::kRegs >= 32 ? kValueV : 8;
 
 // Where the micro-kernels read a block's keys (row e, column j) or values (row j, column e):
 // Rows<T> widens T in registers (bf16x2: pairs already laid out), HalfRows widens one row of a
@@ -90,8 +105,10 @@ template <typename T> struct Rows {
   using Elem = T;
   const T* p;
   int64_t stride;
+  static constexpr int64_t kRowStep = 1, kVecBytes = VecF::N * static_cast<int64_t>(sizeof(T));
   [[gnu::always_inline]] VecF at(int64_t row, int64_t col) const { return VecF::load(p + row * stride + col); }
   float elem(int64_t row, int64_t col) const { return to_float(p[row * stride + col]); }
+  const void* address(int64_t row, int64_t col) const { return p + row * stride + col; }
 };
 // The rows of a paired bfloat16 tile (kernels/cache.hpp: rows 2r and 2r + 1 interleaved in pair row
 // r, `stride` pairs long) from row row0 on, each widened to float32 in registers.
@@ -99,6 +116,8 @@ struct HalfRows {
   using Elem = bf16;
   const bf16x2* p;
   int64_t stride, row0;
+  static constexpr int64_t kRowStep = 2, kVecBytes = VecF::N * static_cast<int64_t>(sizeof(bf16x2));
+  const void* address(int64_t row, int64_t col) const { return p + ((row0 + row) >> 1) * stride + col; }
   [[gnu::always_inline]] VecF at(int64_t row, int64_t col) const {
     const int64_t r = row0 + row;
     return VecF::widen_half(p + (r >> 1) * stride + col, static_cast<int>(r & 1));
@@ -171,13 +190,30 @@ inline void scores_tile(int qb, int kb, const AOf<typename Src::Elem>* const* qs
   scores_micro<Src, QB, KB>(qs, kt, bs, d, c, s);
 }
 
-// block_scores in QB x KB micro-kernels.
-template <typename Src, int QB, int KB>
+// Fetches into L2 the lines of key vectors [c, c + kb) in every row e < d of a key tile.
+template <typename Src>
+inline void fetch_key_vectors(const Src& kt, int64_t d, int64_t c, int64_t kb) {
+  for (int64_t e = 0; e < d; e += Src::kRowStep) {
+    const char* row = static_cast<const char*>(kt.address(e, c * VecF::N));
+    for (int64_t b = 0; b < kb * Src::kVecBytes; b += 64) prefetch_l2(row + b);
+  }
+}
+
+// block_scores in QB x KB micro-kernels. A decode's pass over part of each row (KB vectors short of
+// the block's keys: AVX2's quarter rows, NEON's and VXE's) fetches the next pass's lines first
+// (FetchNext): its loads, two lines a row 512 bytes apart, are a pattern the hardware prefetchers
+// did not follow, and without the fetch they waited on every line (AVX2 table, AMD EPYC Zen 4:
+// decode attention 0.85-0.93x the time with it; the first pass of a tile, or the whole tile,
+// fetched at once gained nothing, 0.99-1.05x). Measured on x86 only; the fetch changes no bits.
+template <typename Src, int QB, int KB, bool FetchNext = false>
 inline void scores_blocked(const AOf<typename Src::Elem>* const* qs, int64_t nq, const Src& kt, int64_t bs, int64_t d,
                            int64_t c_lo, int64_t c_hi, float* s) {
   // key vectors outer: their d x KB slab stays in L1 while every query vector passes over it
   for (int64_t c = c_lo; c <= c_hi; c += KB) {
     const int kb = static_cast<int>(std::min<int64_t>(KB, c_hi - c + 1));
+    if constexpr (FetchNext) {
+      if (c + KB <= c_hi) fetch_key_vectors(kt, d, c + KB, std::min<int64_t>(KB, c_hi - c - KB + 1));
+    }
     for (int64_t i = 0; i < nq; i += QB) {
       const int qb = static_cast<int>(std::min<int64_t>(QB, nq - i));
       scores_tile<Src, QB, KB>(qb, kb, qs + i, kt, bs, d, c, s + i * bs);
@@ -194,7 +230,7 @@ inline bool few_rows(int64_t n_rows) { return n_rows <= kScoreQB; }
 template <typename Src>
 inline void block_scores(const AOf<typename Src::Elem>* const* qs, int64_t nq, const Src& kt, int64_t bs, int64_t d,
                          int64_t c_lo, int64_t c_hi, float* s) {
-  if (few_rows(nq)) return scores_blocked<Src, kDecodeQB, kDecodeKB>(qs, nq, kt, bs, d, c_lo, c_hi, s);
+  if (few_rows(nq)) return scores_blocked<Src, kDecodeQB, kDecodeKB, true>(qs, nq, kt, bs, d, c_lo, c_hi, s);
   scores_blocked<Src, kScoreQB, kScoreKB>(qs, nq, kt, bs, d, c_lo, c_hi, s);
 }
 
@@ -232,18 +268,31 @@ inline void values_tile(int rr, int vv, float* acc, const AOf<typename Src::Elem
   values_micro<Src, R, V>(acc, p, ps, v, n, d, e0);
 }
 
+// The vector part of accumulate_values in R x V tiles.
+template <typename Src, int R, int V>
+inline void values_blocked(float* acc, const AOf<typename Src::Elem>* p, int64_t ps, int64_t rows, const Src& v,
+                           int64_t n, int64_t d) {
+  const int64_t nvec = d / VecF::N;
+  for (int64_t i = 0; i < rows; i += R)
+    for (int64_t c = 0; c < nvec; c += V) {
+      const int rr = static_cast<int>(std::min<int64_t>(R, rows - i));
+      const int vv = static_cast<int>(std::min<int64_t>(V, nvec - c));
+      values_tile<Src, R, V>(rr, vv, acc + i * d, p + i * ps, ps, v, n, d, c * VecF::N);
+    }
+}
+
 // acc_i[0:d] += sum_j p_i[j] * v[j, 0:d] for the rows i < rows (acc + i * d, p + i * ps) over
-// the n keys of v: the same chains whatever the number of rows taken together.
+// the n keys of v: the same chains whatever the number of rows taken together, a decode's few in
+// decode's blocking.
 template <typename Src>
 inline void accumulate_values(float* acc, const AOf<typename Src::Elem>* p, int64_t ps, int64_t rows, const Src& v,
                               int64_t n, int64_t d) {
   const int64_t nvec = d / VecF::N;
-  for (int64_t i = 0; i < rows; i += kValueR)
-    for (int64_t c = 0; c < nvec; c += kValueV) {
-      const int rr = static_cast<int>(std::min<int64_t>(kValueR, rows - i));
-      const int vv = static_cast<int>(std::min<int64_t>(kValueV, nvec - c));
-      values_tile<Src, kValueR, kValueV>(rr, vv, acc + i * d, p + i * ps, ps, v, n, d, c * VecF::N);
-    }
+  if (few_rows(rows)) {
+    values_blocked<Src, kDecodeValueR, kDecodeValueV>(acc, p, ps, rows, v, n, d);
+  } else {
+    values_blocked<Src, kValueR, kValueV>(acc, p, ps, rows, v, n, d);
+  }
   if constexpr (!std::is_same_v<typename Src::Elem, bf16x2>) {  // (the pair path runs only when N divides d)
     for (int64_t e = nvec * VecF::N; e < d; ++e)
       for (int64_t i = 0; i < rows; ++i)

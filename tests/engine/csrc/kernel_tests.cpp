@@ -251,9 +251,10 @@ TEST(GatedGemm, EqualsGemmThenSiluAndMulEveryTable) {
 }
 
 template <typename T>
-void check_attention(const KernelTable* v, DType dt, int64_t bs, int64_t group, float ks = 1.f, float vs = 1.f) {
+void check_attention(const KernelTable* v, DType dt, int64_t bs, int64_t group, float ks = 1.f, float vs = 1.f,
+                     int64_t d = 64) {
   const KernelTable* s = table_scalar();
-  const int64_t hk = 2, hq = hk * group, d = 64;
+  const int64_t hk = 2, hq = hk * group;
   std::vector<int32_t> q_lens = {1, 19, 5}, ctx = {40, 19, 70};
   std::vector<int32_t> qsl = {0};
   for (auto l : q_lens) qsl.push_back(qsl.back() + l);
@@ -287,7 +288,7 @@ void check_attention(const KernelTable* v, DType dt, int64_t bs, int64_t group, 
 
 TEST_P(VectorVsScalar, PagedAttentionAllDtypesBlockSizesGqa) {
   for (int64_t bs : {16, 32, 128})
-    for (int64_t group : {1, 4, 8}) {
+    for (int64_t group : {1, 3, 4, 8}) {
       check_attention<float>(GetParam(), DType::F32, bs, group);
       check_attention<bf16>(GetParam(), DType::BF16, bs, group);
       check_attention<f8e5m2>(GetParam(), DType::F8E5M2, bs, group, 0.5f, 2.f);
@@ -296,6 +297,11 @@ TEST_P(VectorVsScalar, PagedAttentionAllDtypesBlockSizesGqa) {
       check_attention<f16>(GetParam(), DType::F16, bs, group);
 #endif
     }
+  // heads of 128: a decode's value rows longer than one AVX2 pass (kDecodeValueV)
+  for (int64_t group : {1, 3}) {
+    check_attention<float>(GetParam(), DType::F32, 128, group, 1.f, 1.f, 128);
+    check_attention<bf16>(GetParam(), DType::BF16, 128, group, 1.f, 1.f, 128);
+  }
 }
 
 TEST_P(VectorVsScalar, ReshapeAndCache) {

@@ -211,7 +211,8 @@ inline void fetch_key_vectors(const Src& kt, int64_t d, int64_t c, int64_t kb) {
 // (FetchNext): its loads, two lines a row 512 bytes apart, are a pattern the hardware prefetchers
 // did not follow, and without the fetch they waited on every line (AVX2 table, AMD EPYC Zen 4:
 // decode attention 0.85-0.93x the time with it; the first pass of a tile, or the whole tile,
-// fetched at once gained nothing, 0.99-1.05x). Measured on x86 only; the fetch changes no bits.
+// fetched at once gained nothing, 0.99-1.05x, nor did the next head's first pass fetched during
+// this head's last, 0.93-1.01x). Measured on x86 only; the fetch changes no bits.
 template <typename Src, int QB, int KB, bool FetchNext = false>
 inline void scores_blocked(const AOf<typename Src::Elem>* const* qs, int64_t nq, const Src& kt, int64_t bs, int64_t d,
                            int64_t c_lo, int64_t c_hi, float* s) {

@@ -485,6 +485,13 @@ def failure(error: str) -> str:
     return text.replace("|", "/")[:200]
 
 
+READY_NOTE = ("ready s (warm): the process's start to the offline engine constructed, the model converted "
+              "before and its files in the page cache; cpuserve's offline `LLM` faults its whole 4 GiB KV cache in "
+              "before it is ready (`CPUSERVE_KV_POPULATE=start`, its default), which is most of its figure on a VM "
+              "whose host backs memory on first touch. A server's start to ready, its cache populated while idle, "
+              "is the serving table's.")
+
+
 def offline_rows(off: dict) -> list[str]:
     """One row per engine and weights, with cpuserve's ratio against it on the same weights."""
     lines = []
@@ -629,6 +636,7 @@ def report(res: dict) -> None:
              "ready s (warm) | peak RSS MiB | ratio: offline / batch-1 / prefill |",
              "|---|---|---|---|---|---|---|"]
     lines += offline_rows(off)
+    lines += ["", READY_NOTE]
     lines += turns_table(off)
     lines += alternating_table(res.get("batch1_alternating"))
     lines += serving_table(res["serving"])

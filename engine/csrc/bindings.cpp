@@ -254,9 +254,10 @@ void bind_float_kernels(KernelsClass& cls) {
              k.t->argmax(ptr<int64_t>(out), ptr<const float>(x), rows, n, xs);
            }, G())
       .def("greedy_head", [](const Kernels& k, uintptr_t out, uintptr_t approx, int64_t as, uintptr_t x, int64_t xs,
-                             uintptr_t w, uintptr_t norms, float norm_max, int64_t rows, int64_t n, int64_t kk) {
+                             uintptr_t w, uintptr_t norms, float norm_max, int bound, int64_t rows, int64_t n,
+                             int64_t kk) {
              return k.t->greedy_head(ptr<int64_t>(out), ptr<const float>(approx), as, ptr<const float>(x), xs,
-                                     ptr<const float>(w), ptr<const float>(norms), norm_max, rows, n, kk);
+                                     ptr<const float>(w), ptr<const float>(norms), norm_max, bound, rows, n, kk);
            }, G());
 }
 

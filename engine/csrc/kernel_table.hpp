@@ -104,10 +104,12 @@ struct KernelTable {
   // out[r] = torch.argmax(x[r, :n]): the first index of the largest value, a NaN the largest.
   void (*argmax)(int64_t* out, const float* x, int64_t rows, int64_t n, int64_t x_stride);
   // out[r] = argmax(x[r] @ W^T) for a float32 W [n, k] packed by pack_weight, decided from approx =
-  // x @ bfloat16(W)^T and norms[t] >= |W_t| (kernels/greedy_head.hpp); -1 where undecided, whose
-  // count it returns. The same answer as argmax(gemm(x, W)) on every table.
+  // x @ copy(W)^T and norms: bound 0, a bfloat16 copy and norms[t] >= |W_t|; bound 1, any copy and
+  // norms[t] >= its error per unit |x| (kernels/greedy_head.hpp); -1 where undecided, whose count
+  // it returns. The same answer as argmax(gemm(x, W)) on every table.
   int64_t (*greedy_head)(int64_t* out, const float* approx, int64_t approx_stride, const float* x, int64_t x_stride,
-                         const float* w, const float* norms, float norm_max, int64_t rows, int64_t n, int64_t k);
+                         const float* w, const float* norms, float norm_max, int bound, int64_t rows, int64_t n,
+                         int64_t k);
 };
 
 // Every ISA name, best first: a CPU with a variant (amx = avx512_bf16 + bfloat16 GEMMs on AMX

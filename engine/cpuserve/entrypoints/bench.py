@@ -178,7 +178,7 @@ def measure_machine(hidden: int, ffn: int) -> Machine:
 # the gate/up GEMM with its fused SiLU-and-mul (ops.linear_silu) counts as GEMM: uncounted, it
 # fell into 'Python and scheduling'
 CATEGORIES = {"linear": "GEMM", "linear_silu": "GEMM", "paged_attention": "attention",
-              "greedy_head": "sampler"}  # greedy rows' token from a float32 head's bfloat16 copy
+              "greedy_head": "sampler"}  # greedy rows' token from a float32 head's bfloat16 or Q8_0 copy
 
 
 class StepProfile:
@@ -273,18 +273,21 @@ def decode_steps(llm, batch: int, tokens: int, prompt_len: int = PROMPT_LEN,
 
 
 def model_size(llm, greedy: bool = True) -> tuple[int, int]:
-    """(bytes a greedy decode step reads from the weights, parameters multiplied per token): every
-    packed linear weight, the LM head included, not the embedding table (one row a token); a
-    float32 head with a bfloat16 copy for greedy rows (LMHead.greedy) as that copy, unless not
-    `greedy` (what a step computing every float32 logit reads, as the peers' do)."""
+    """(bytes a greedy decode step of one row reads from the weights, parameters multiplied per
+    token): every packed linear weight, the LM head included, not the embedding table (one row a
+    token); a float32 head with copies for greedy rows (LMHead.greedy) as the copy one row reads
+    (Q8_0 where it has one, else bfloat16), unless not `greedy` (what a step computing every
+    float32 logit reads, as the peers' do)."""
     from cpuserve.worker.model_runner import packed_weights, tensor_bytes
 
     model = llm.engine.runner.model
-    head = {id(w) for w in packed_weights(model.lm_head)}
+    lm = model.lm_head
+    head = {id(w) for w in packed_weights(lm)}
     lookup = {id(w) for w in packed_weights(getattr(model, "embed", None))} - head
-    copy = getattr(model.lm_head, "greedy_copy", None)
-    if copy is not None:
-        lookup.add(id(model.lm_head.weight) if greedy else id(copy))
+    copies = [c for c in (getattr(lm, "greedy_copy", None), getattr(lm, "greedy_q8", None)) if c is not None]
+    if copies:
+        read = copies[-1] if greedy else lm.weight
+        lookup |= {id(w) for w in [lm.weight, *copies]} - {id(read)}
     packed = [w for w in packed_weights(model) if id(w) not in lookup]
     return sum(tensor_bytes(w.data) for w in packed), sum(w.n * w.k for w in packed)
 

@@ -80,6 +80,22 @@ class QuantTensor:
         return w
 
 
+def quantize_q8_0(w: torch.Tensor) -> tuple[QuantTensor, torch.Tensor] | None:
+    """w [rows, k] (k a multiple of 32) in GGUF Q8_0 blocks, and the float32 values the kernels read
+    from them: per 32 weights a float16 scale d = max|w| / 127 and codes round(w / d) (d as
+    stored), clamped to [-127, 127]; llama.cpp's scheme, rounding against the stored scale. None
+    where a scale is not a finite float16 (|w| beyond 127 x 65,504, or not finite)."""
+    rows, k = w.shape
+    b = w.float().reshape(rows, k // 32, 32)
+    d = (b.abs().amax(-1, keepdim=True) / 127).half()
+    if not torch.isfinite(d).all():
+        return None
+    df = d.float().clamp_min_(2.0 ** -24)  # (a block of zeros: codes 0 whatever its scale)
+    q = torch.round(b / df).clamp_(-127, 127).to(torch.int8)
+    data = torch.cat([d.view(torch.uint8).reshape(rows, k // 32, 2), q.view(torch.uint8)], dim=2)
+    return QuantTensor(data.reshape(rows, -1).contiguous(), 8, k), (q.float() * df).reshape(rows, k)
+
+
 def cat_rows(parts: list):
     """Row concatenation of weights (fused projections): a tensor when every part is dense,
     one QuantTensor or Int8Tensor when every part has the same storage, else a list of row

@@ -86,11 +86,13 @@ def argmax(x: torch.Tensor, k=KERNELS) -> torch.Tensor:
 
 
 def greedy_head(approx: torch.Tensor, x: torch.Tensor, w: "PackedWeight", norms: torch.Tensor, norm_max: float,
-                k=KERNELS) -> tuple[torch.Tensor, int]:
+                error_norms: bool = False, k=KERNELS) -> tuple[torch.Tensor, int]:
     """argmax(linear(x, w)) for a float32 packed `w` [V, K], decided from approx = linear(x, the
-    same weight packed in bfloat16) and norms[t] >= |w_t|: (tokens [R] int64, -1 where a row is
-    undecided, and how many are). The same tokens as ops.argmax(linear(x, w)), bit for bit
-    (kernels/greedy_head.hpp has the bound and why)."""
+    same weight packed in bfloat16) and norms[t] >= |w_t| (or, `error_norms`, from approx =
+    linear(x, any copy computed in float32) and norms[t] >= that copy's error per unit |x|:
+    layers/embedding.py copy_errors_above): (tokens [R] int64, -1 where a row is undecided, and
+    how many are). The same tokens as ops.argmax(linear(x, w)), bit for bit (kernels/
+    greedy_head.hpp has the bound and why)."""
     _f32(approx, "approx")
     _f32(x, "x")
     if not isinstance(w, PackedWeight) or w.dtype != torch.float32:
@@ -100,7 +102,7 @@ def greedy_head(approx: torch.Tensor, x: torch.Tensor, w: "PackedWeight", norms:
                          f"{tuple(norms.shape)} do not fit a [{w.n}, {w.k}] weight")
     out, norms = torch.empty(x.shape[0], dtype=torch.int64), norms.contiguous()
     undecided = k.greedy_head(out.data_ptr(), approx.data_ptr(), approx.stride(0), x.data_ptr(), x.stride(0),
-                              w.data.data_ptr(), norms.data_ptr(), norm_max, x.shape[0], w.n, w.k)
+                              w.data.data_ptr(), norms.data_ptr(), norm_max, int(error_norms), x.shape[0], w.n, w.k)
     return out, undecided
 
 

@@ -19,6 +19,18 @@
 // Measured on the default model (SmolLM2-135M, float32, 1,024 decode rows of 16 random-prompt
 // sequences): 1.6 candidates a row on average (median 1, 90th percentile 2, at most 36) of
 // 49,152, the bound 0.69 at its median against 0.29 at most of actual difference.
+//
+// Any other copy of W whose GEMM takes float32 x (GgufQ8Copy: GGUF Q8_0 blocks of 32 weights and a
+// float16 scale, the GEMM's products and sums in float32) gets its bound from norms the caller
+// computes per column: with W'_t the copy's row as the GEMM reads it (the blocks dequantized
+// exactly), |A - L| <= |A - x.W'_t| + |x.(W'_t - W_t)| + |x.W_t - L|
+//   <= |x| (|W'_t - W_t| + g' (|W'_t| + |W_t|)),   g' = n u / (1 - n u),
+// where n bounds the roundings a product meets on its way to A or L (a block's chain of 32, its
+// scale, the sum over blocks: the caller takes n = 2K + 64). norms[t] >= that bracket, and the
+// test below runs on E_t = |x| norms[t]. The default model's head, which its GGUF stores as Q8_0,
+// is its own Q8_0 copy (the bracket its rounding terms only): 1.0 candidates a row, at most 2, on
+// 1,008 decode rows; weights off the Q8_0 grid (noise of 5-100% of their spread added) 2.4-5.2 a
+// row on average, at most 23-105.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -30,6 +42,9 @@ namespace cpuserve {
 namespace {
 
 constexpr int64_t kHeadBlock = 16 * VecF::N;  // a block of approximate logits tested at once
+
+// What greedy_head's norms bound: |W_t| for a bfloat16 copy, or the copy's error per unit |x| (above).
+enum GreedyBound : int { kBf16Copy = 0, kErrorNorms = 1 };
 
 // c of the bound above for K-long dot products, with 1% to spare for the double arithmetic of |x|.
 inline double greedy_bound_coefficient(int64_t k) {
@@ -53,11 +68,11 @@ inline float exact_logit(const float* x, const float* w, int64_t col, int64_t k)
 // t, so L* >= thr - 2^-24 Q - s; a column with hi_t < thr - 2^-22 Q - 2 s has L_t <= hi_t + 2^-24 Q
 // + s < L*: it cannot be the argmax, nor tie with it. The rest are computed exactly.
 inline int64_t greedy_row(const float* a, const float* x, const float* w, const float* norms, float norm_max,
-                          int64_t n, int64_t k, std::vector<float>& block_hi, float* tmp) {
+                          GreedyBound bound, int64_t n, int64_t k, std::vector<float>& block_hi, float* tmp) {
   double xx = 0;
   for (int64_t i = 0; i < k; ++i) xx += static_cast<double>(x[i]) * x[i];
   const double xn = std::sqrt(xx) * (1 + 1e-12);
-  const double ce_d = greedy_bound_coefficient(k) * xn;
+  const double ce_d = (bound == kBf16Copy ? greedy_bound_coefficient(k) : 1.0 + std::ldexp(1.0, -20)) * xn;
   if (!std::isfinite(ce_d) || ce_d > 1e30) return -1;
   const float ce = std::nextafter(static_cast<float>(ce_d), INFINITY);
   const double s = static_cast<double>(k + 2) * std::ldexp(1.0, -124) * (1 + xn) * (1 + norm_max);
@@ -113,10 +128,12 @@ inline int64_t greedy_row(const float* a, const float* x, const float* w, const 
 }
 
 // out[r] = the argmax of row r of x @ W^T, W [n, k] float32 in the GEMM's panels, decided from
-// approx = x @ bfloat16(W)^T (rows approx_stride apart) and norms[t] >= |W_t|_2 (norm_max their
-// largest); -1 where undecided. Returns how many rows are undecided.
+// approx = x @ copy(W)^T (rows approx_stride apart) and norms (norm_max their largest): for
+// bound = kBf16Copy a bfloat16 copy and norms[t] >= |W_t|_2, for kErrorNorms any copy and norms[t]
+// >= its error bracket (above); -1 where undecided. Returns how many rows are undecided.
 int64_t greedy_head_impl(int64_t* out, const float* approx, int64_t approx_stride, const float* x, int64_t x_stride,
-                         const float* w, const float* norms, float norm_max, int64_t rows, int64_t n, int64_t k) {
+                         const float* w, const float* norms, float norm_max, int bound, int64_t rows, int64_t n,
+                         int64_t k) {
   int64_t undecided = 0;
 #pragma omp parallel if (rows > 1) reduction(+ : undecided)
   {
@@ -124,7 +141,8 @@ int64_t greedy_head_impl(int64_t* out, const float* approx, int64_t approx_strid
     alignas(64) float tmp[VecF::N];
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-      out[r] = greedy_row(approx + r * approx_stride, x + r * x_stride, w, norms, norm_max, n, k, block_hi, tmp);
+      out[r] = greedy_row(approx + r * approx_stride, x + r * x_stride, w, norms, norm_max,
+                          static_cast<GreedyBound>(bound), n, k, block_hi, tmp);
       undecided += out[r] < 0;
     }
   }

@@ -445,7 +445,7 @@ TEST(GreedyHead, SameTokenAsFloat32GemmArgmaxEveryTable) {
         omp_set_num_threads(threads);
         std::vector<int64_t> got(m);
         const int64_t undecided = tab->greedy_head(got.data(), approx.data(), n, a.data(), k, packed.data(),
-                                                   norms.data(), norm_max, m, n, k);
+                                                   norms.data(), norm_max, 0, m, n, k);
         EXPECT_EQ(undecided, 2) << tab->isa;
         for (int64_t r = 0; r < m; ++r) {
           if (r == 4 || r == 5) {
@@ -457,6 +457,30 @@ TEST(GreedyHead, SameTokenAsFloat32GemmArgmaxEveryTable) {
         EXPECT_EQ(got[2], 300) << tab->isa;
         EXPECT_EQ(got[3], 0) << tab->isa;
       }
+      // bound 1: any copy (here W on a grid of 2^-7, its float32 GEMM) with norms[t] >= |W'_t - W_t|
+      // + g' (|W'_t| + |W_t|), g' = n u / (1 - n u) for n = 2k + 64 (greedy_head.hpp)
+      std::vector<float> wq(w.size()), approx_q(m * n), errors(n);
+      for (size_t i = 0; i < w.size(); ++i) wq[i] = std::ldexp(std::nearbyint(std::ldexp(w[i], 7)), -7);
+      std::vector<float> packed_q(packed.size());
+      tab->pack_weight(packed_q.data(), wq.data(), DType::F32, n, k);
+      tab->gemm(approx_q.data(), a.data(), packed_q.data(), DType::F32, nullptr, m, n, k, k, n);
+      const double u = std::ldexp(1.0, -24), gq = (2 * k + 64) * u / (1 - (2 * k + 64) * u);
+      float error_max = 0.f;
+      for (int64_t t = 0; t < n; ++t) {
+        double diff = 0, nq = 0, nw = 0;
+        for (int64_t i = 0; i < k; ++i) {
+          const double x = w[t * k + i], y = wq[t * k + i];
+          diff += (x - y) * (x - y), nq += y * y, nw += x * x;
+        }
+        errors[t] = float((std::sqrt(diff) + gq * (std::sqrt(nq) + std::sqrt(nw))) * (1 + 1e-6));
+        error_max = std::max(error_max, errors[t]);
+      }
+      std::vector<int64_t> got(m);
+      const int64_t undecided = tab->greedy_head(got.data(), approx_q.data(), n, a.data(), k, packed.data(),
+                                                 errors.data(), error_max, 1, m, n, k);
+      EXPECT_EQ(undecided, 2) << tab->isa;
+      for (int64_t r : {0, 1, 2, 3, 6, 7})
+        EXPECT_EQ(got[r], argmax_reference(logits.data() + r * n, n)) << tab->isa << " n " << n << " row " << r;
     }
   omp_set_num_threads(before);
 }

@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from cpuserve.loading.quant_tensor import quantize_q8_0
+from cpuserve.loading.quant_tensor import QuantTensor, quantize_q8_0
 from cpuserve.model_executor import ops
 from cpuserve.model_executor.parallel import TPGroup
 
@@ -56,6 +56,20 @@ def copy_errors_above(w: torch.Tensor, copy: torch.Tensor, chunk: int = 4096) ->
     return out
 
 
+def q8_0_copy(w: torch.Tensor, chunk: int = 4096) -> tuple[ops.QuantWeight, torch.Tensor] | None:
+    """w's GGUF Q8_0 copy for the GEMM (float32 activations) and its copy_errors_above, a chunk of
+    rows at a time (what loading adds at its peak: a chunk's float temporaries), or None where
+    quantize_q8_0 cannot hold w."""
+    blocks, errors = [], []
+    for i in range(0, w.shape[0], chunk):
+        q8 = quantize_q8_0(w[i:i + chunk])
+        if q8 is None:
+            return None
+        blocks.append(q8[0].data)
+        errors.append(copy_errors_above(w[i:i + chunk], q8[1]))
+    return ops.QuantWeight(QuantTensor(torch.cat(blocks), 8, w.shape[1]), int8_dot=False), torch.cat(errors)
+
+
 def row_norms_above(w: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
     """|w_t|_2 of each row as float32 no smaller than the real norm (in float64, a chunk of rows
     at a time, then nudged up past float32's rounding)."""
@@ -87,10 +101,9 @@ class LMHead:
             self.greedy_copy = ops.pack(w, torch.bfloat16)
             self.greedy_norms = row_norms_above(w)
             self.greedy_norm_max = float(self.greedy_norms.max()) if w.shape[0] else 0.0
-            q8 = quantize_q8_0(w) if w.shape[1] % 32 == 0 and w.shape[0] else None
+            q8 = q8_0_copy(w) if w.shape[1] % 32 == 0 and w.shape[0] else None
             if q8 is not None:
-                self.greedy_q8 = ops.QuantWeight(q8[0], int8_dot=False)
-                self.greedy_q8_errors = copy_errors_above(w, q8[1])
+                self.greedy_q8, self.greedy_q8_errors = q8
                 self.greedy_q8_error_max = float(self.greedy_q8_errors.max())
 
     def greedy(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -20,10 +20,10 @@
 // sequences): 1.6 candidates a row on average (median 1, 90th percentile 2, at most 36) of
 // 49,152, the bound 0.69 at its median against 0.29 at most of actual difference.
 //
-// Any other copy of W whose GEMM takes float32 x (GgufQ8Copy: GGUF Q8_0 blocks of 32 weights and a
-// float16 scale, the GEMM's products and sums in float32) gets its bound from norms the caller
-// computes per column: with W'_t the copy's row as the GEMM reads it (the blocks dequantized
-// exactly), |A - L| <= |A - x.W'_t| + |x.(W'_t - W_t)| + |x.W_t - L|
+// Any other copy of W whose GEMM takes float32 x (layers/embedding.py q8_0_copy: GGUF Q8_0
+// blocks, a float16 scale to each 32 weights, the GEMM's products and sums in float32) gets its
+// bound from norms the caller computes per column: with W'_t the copy's row as the GEMM reads it
+// (the blocks dequantized exactly), |A - L| <= |A - x.W'_t| + |x.(W'_t - W_t)| + |x.W_t - L|
 //   <= |x| (|W'_t - W_t| + g' (|W'_t| + |W_t|)),   g' = n u / (1 - n u),
 // where n bounds the roundings a product meets on its way to A or L (a block's chain of 32, its
 // scale, the sum over blocks: the caller takes n = 2K + 64). norms[t] >= that bracket, and the

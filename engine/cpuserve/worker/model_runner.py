@@ -20,7 +20,7 @@ from cpuserve.model_executor.models.common import Weights
 from cpuserve.model_executor.parallel import TPGroup
 from cpuserve.platform import pages
 from cpuserve.platform.isa import resolve_dtype, resolve_kv_dtype
-from cpuserve.platform.malloc import tune_malloc
+from cpuserve.platform.malloc import release_free_heap, tune_malloc
 from cpuserve.worker import kv_cache
 from cpuserve.worker.idle import IdleWork
 from cpuserve.worker.input_batch import DecodeInputs, blocks_for, packed_inputs, prepare_inputs, scoring_inputs
@@ -187,6 +187,7 @@ class ModelRunner:
             self.model = cls(self.hf_config, Weights(load_state_dict(self.model_dir, self.quantization)), self.dtype,
                              self.tp)
         self.weight_bytes = tensor_bytes(self.model)  # before the KV cache is bound to the layers
+        release_free_heap()  # the load's freed temporaries, before the KV cache is checked against the limit
         self.num_blocks, self.kv_cache, kv_idle = self._allocate_kv_cache()
         self.idle_work = IdleWork(arena.collapser(), *kv_idle)
         if self.ranks is not None:

@@ -49,3 +49,31 @@ def test_a_step_sized_block_stays_in_the_heap():
     assert mapped >= 12 << 20  # glibc's default: its own mmap, unmapped again at free
     mapped, arena = _probe("tune")
     assert mapped == 0 and arena >= 12 << 20  # tuned: from the heap, and still there after the free
+
+
+TRIM_PROBE = r"""
+import ctypes
+from cpuserve.platform.malloc import release_free_heap
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+libc.free.argtypes = (ctypes.c_void_p,)
+libc.mallopt(-3, 32 << 20)  # loading's temporaries below glibc's raised mmap threshold: heap blocks
+libc.mallopt(-1, 1 << 30)
+def resident():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+blocks = [libc.malloc(4 << 20) for _ in range(24)]  # 96 MiB of temporaries, touched
+for b in blocks:
+    ctypes.memset(b, 1, 4 << 20)
+for b in blocks[:-1]:  # the last one still in use keeps the heap's top from shrinking
+    libc.free(b)
+before = resident()
+released = release_free_heap()
+print(released, before - resident())
+"""
+
+
+def test_the_loads_freed_temporaries_go_back_to_the_kernel():
+    r = subprocess.run([sys.executable, "-c", TRIM_PROBE], capture_output=True, text=True, check=True,
+                       env={"PATH": "/usr/bin:/bin"})
+    released, dropped = map(int, r.stdout.split())
+    assert released == 1 and dropped >= 80 << 20, r.stdout

@@ -18,6 +18,7 @@ from cpuserve.model_executor.models import model_class
 from cpuserve.model_executor.models.common import Weights
 from cpuserve.model_executor.pooling import Pooling
 from cpuserve.platform import pages
+from cpuserve.platform.malloc import release_free_heap
 from cpuserve.worker.idle import IdleWork
 from cpuserve.worker.input_batch import blocks_for
 
@@ -60,6 +61,7 @@ class EncoderRunner:
         with ops.quantized_activations(config.quantized_activations), ops.weights_in(arena):
             self.model = model_class(self.hf_config)(
                 self.hf_config, Weights(load_state_dict(self.model_dir, self.quantization)), self.dtype)
+        release_free_heap()  # the load's freed temporaries go back to the kernel, as ModelRunner's
         self.idle_work = IdleWork(arena.collapser())
         self.pooling = Pooling.from_dir(self.model_dir, decoder=False)
         limits = [self.model.max_positions, self.pooling.max_len, config.max_model_len]

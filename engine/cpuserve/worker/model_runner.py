@@ -133,6 +133,59 @@ def weights_in_memory(model_dir: Path, dtype: torch.dtype, quantization: str = "
     return total
 
 
+def checkpoint_names(model_dir: Path) -> set[str] | None:
+    """The tensor names of a converted GGUF or of safetensors files (their headers), None where
+    other files (.bin, .pt) would have to be read."""
+    import json
+    import struct
+
+    from cpuserve.loading import gguf_loader
+
+    p = Path(model_dir)
+    if p.is_dir() and gguf_loader.gguf_source(p) is not None:
+        return set(json.loads((p / "gguf_tensors.json").read_text())["tensors"])
+    files = [p] if p.is_file() else [f for f in p.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf", ".pt")]
+    names = set()
+    for f in files:
+        if f.suffix != ".safetensors":
+            return None
+        with open(f, "rb") as fh:
+            names.update(json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0])))
+    return names - {"__metadata__"}
+
+
+def head_bytes_beyond_files(vocab: int, hidden: int, elem: int, tied: bool, ranks: int, greedy_copies: bool) -> int:
+    """What loading dense weights (`elem` bytes an element) adds to the checkpoint's tensors at the
+    vocabulary: a tied LM head's own packed copy of the embedding table (layers/embedding.py), the
+    table replicated on every further rank (only the head is split), and, for greedy rows of a
+    float32 head on one rank, its bfloat16 and Q8_0 copies with a float32 norm and error per column
+    (LMHead)."""
+    table = vocab * hidden
+    extra = table * elem * (int(tied) + ranks - 1)
+    if greedy_copies:
+        extra += table * 2 + table // 32 * 34 + vocab * 8
+    return extra
+
+
+def loaded_weight_bytes(model_dir: Path, hf_config, dtype: torch.dtype, quantization: str = "none",
+                        ranks: int = 1) -> int:
+    """weights_in_memory, with head_bytes_beyond_files for dense weights (a quantized checkpoint's
+    table stays in its blocks, which a tied head shares). Float32 SmolLM2: its tensors 513 MiB,
+    this 704, loaded 706."""
+    total = weights_in_memory(model_dir, dtype, quantization)
+    vocab, hidden = getattr(hf_config, "vocab_size", None), getattr(hf_config, "hidden_size", None)
+    if quantization != "none" or not vocab or not hidden:
+        return total
+    from cpuserve.model_executor.layers.embedding import greedy_head_enabled
+
+    names = checkpoint_names(model_dir)
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False)) or (names is not None and "lm_head.weight" not in names)
+    greedy = dtype == torch.float32 and ranks == 1 and greedy_head_enabled() \
+        and not getattr(hf_config, "final_logit_softcapping", None)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return total + head_bytes_beyond_files(vocab, hidden, elem, tied, ranks, greedy)
+
+
 class ModelRunner:
     """One rank's model and KV cache. Rank 0 (the only rank without tensor
     parallelism) also binds itself and starts and drives the other ranks."""
@@ -200,7 +253,7 @@ class ModelRunner:
         every rank's KV cache and each further rank's own runtime. Returns the limit."""
         limit, used = kv_cache.memory_budget()
         size = self.config.tensor_parallel_size
-        weights = weights_in_memory(self.model_dir, self.dtype, self.quantization)
+        weights = loaded_weight_bytes(self.model_dir, self.hf_config, self.dtype, self.quantization, size)
         others = (size - 1) * kv_cache.process_baseline() if limit is not None else 0
         if self.config.kv_cache_space_default:
             self._size_kv_cache(limit, used + others, weights)

@@ -194,3 +194,27 @@ def test_default_kv_cache_is_shared_by_the_ranks():
     kv, how = default_kv_bytes(4 * GiB, GiB // 2, GiB // 2, GiB, ranks=2)
     assert kv == GiB and how.endswith("= 2.00 GiB, / 2 ranks = 1.00 GiB each")
     assert default_kv_bytes(None, 0, 0, 0, ranks=2)[0] == 4 * GiB  # no limit: vLLM's 4 GiB per rank
+
+
+def test_head_bytes_beyond_the_files():
+    from cpuserve.worker.model_runner import head_bytes_beyond_files
+    v, h = 49152, 576
+    assert head_bytes_beyond_files(v, h, 4, False, 1, False) == 0
+    assert head_bytes_beyond_files(v, h, 4, True, 1, False) == v * h * 4  # the tied head's own packed table
+    assert head_bytes_beyond_files(v, h, 2, False, 2, False) == v * h * 2  # the table on rank 1 as well
+    copies = v * h * 2 + v * h // 32 * 34 + v * 8  # bfloat16 and Q8_0 copies, a norm and an error a column
+    assert head_bytes_beyond_files(v, h, 4, True, 1, True) == v * h * 4 + copies
+
+
+@pytest.mark.parametrize("dtype,greedy", [("float32", "1"), ("float32", "0"), ("bfloat16", "1")])
+def test_weights_estimate_is_what_loading_keeps(monkeypatch, dtype, greedy):
+    """The estimate checked against the limit before anything is read, against the bytes of every
+    tensor the loaded model holds (the default model: tied, so its head packs its own table; float32
+    greedy rows' copies of the head)."""
+    from cpuserve.entrypoints.llm import LLM
+    from cpuserve.worker.model_runner import loaded_weight_bytes
+    monkeypatch.setenv("CPUSERVE_GREEDY_HEAD", greedy)
+    llm = LLM(dtype=dtype, quantization="none", kv_cache_space=0.05)
+    r = llm.engine.core.runner
+    estimate = loaded_weight_bytes(r.model_dir, r.hf_config, r.dtype, r.quantization)
+    assert abs(estimate - r.weight_bytes) <= 0.01 * r.weight_bytes, (estimate, r.weight_bytes)

@@ -97,6 +97,19 @@ _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16
               "BOOL": torch.bool}
 
 
+def safetensors_header(f: Path) -> tuple[dict, int]:
+    """A safetensors file's tensors (name -> dtype, shape, data_offsets) from its header, and the
+    offset where their data starts."""
+    with open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        try:
+            header = json.loads(fh.read(n))
+        except ValueError as e:
+            raise ValueError(f"{f}: not a safetensors file ({e})") from None
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
 class LazyTensors(LazyByName):
     """name -> tensor, read from the safetensors files only when popped, with
     plain file reads (no memory map: mapped file pages would count in the
@@ -105,15 +118,9 @@ class LazyTensors(LazyByName):
     def __init__(self, files: list[Path]):
         super().__init__()
         for f in files:
-            with open(f, "rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
-                try:
-                    header = json.loads(fh.read(n))
-                except ValueError as e:
-                    raise ValueError(f"{f}: not a safetensors file ({e})") from None
+            header, base = safetensors_header(f)
             for name, info in header.items():
-                if name != "__metadata__":
-                    self._where[name] = (f, info, 8 + n)
+                self._where[name] = (f, info, base)
 
     def _load(self, name: str, entry):
         path, info, base = entry

@@ -3,7 +3,9 @@ cache, and runs one scheduled batch per step. Input preparation lives in
 input_batch.py, the cache in kv_cache.py, the other ranks in tp_ranks.py."""
 from __future__ import annotations
 
+import json
 import logging
+import math
 import time
 import weakref
 from pathlib import Path
@@ -13,7 +15,8 @@ import torch
 from cpuserve.config import EngineConfig
 from cpuserve.core.scheduler import ScheduledBatch
 from cpuserve.core.sequence import Sequence
-from cpuserve.loading.model_loader import checkpoint_quantization, load_config, load_state_dict, resolve
+from cpuserve.loading.model_loader import checkpoint_quantization, load_config, load_state_dict, resolve, \
+    safetensors_header
 from cpuserve.model_executor import models, ops
 from cpuserve.model_executor.context import ForwardContext, set_context
 from cpuserve.model_executor.models.common import Weights
@@ -104,54 +107,43 @@ def storage_summary(root) -> str:
     return ", ".join(f"{k} {b / 2**20:.1f} MiB ({n})" for k, (b, n) in sorted(by.items(), key=lambda e: -e[1][0]))
 
 
+def _checkpoint_files(p: Path) -> list[Path]:
+    return [p] if p.is_file() else [f for f in p.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf", ".pt")]
+
+
 def weights_in_memory(model_dir: Path, dtype: torch.dtype, quantization: str = "none") -> int:
     """The weights' bytes once loaded as `dtype`, from the safetensors headers (element counts)
     without reading the tensors; other formats count their files' size."""
-    import json
-    import struct
-
     from cpuserve.loading import gguf_loader
 
     p = Path(model_dir)
     if p.is_dir() and gguf_loader.gguf_source(p) is not None:
         return gguf_loader.weight_bytes(p, dtype if quantization == "none" else None)
-    files = [p] if p.is_file() else [f for f in p.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf", ".pt")]
     size = torch.tensor([], dtype=dtype).element_size()
     total = 0
-    for f in files:
+    for f in _checkpoint_files(p):
         if f.suffix != ".safetensors":
             total += f.stat().st_size
             continue
-        with open(f, "rb") as fh:
-            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
-        for name, t in header.items():
-            if name != "__metadata__":
-                n = 1
-                for d in t["shape"]:
-                    n *= d
-                total += n * size
+        for t in safetensors_header(f)[0].values():
+            total += math.prod(t["shape"]) * size
     return total
 
 
 def checkpoint_names(model_dir: Path) -> set[str] | None:
     """The tensor names of a converted GGUF or of safetensors files (their headers), None where
     other files (.bin, .pt) would have to be read."""
-    import json
-    import struct
-
     from cpuserve.loading import gguf_loader
 
     p = Path(model_dir)
     if p.is_dir() and gguf_loader.gguf_source(p) is not None:
         return set(json.loads((p / "gguf_tensors.json").read_text())["tensors"])
-    files = [p] if p.is_file() else [f for f in p.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf", ".pt")]
     names = set()
-    for f in files:
+    for f in _checkpoint_files(p):
         if f.suffix != ".safetensors":
             return None
-        with open(f, "rb") as fh:
-            names.update(json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0])))
-    return names - {"__metadata__"}
+        names.update(safetensors_header(f)[0])
+    return names
 
 
 def head_bytes_beyond_files(vocab: int, hidden: int, elem: int, tied: bool, ranks: int, greedy_copies: bool) -> int:

@@ -269,6 +269,12 @@ def gguf_source(model_dir: Path) -> Path | None:
     return Path(json.loads(src.read_text())["gguf"]) if src.exists() else None
 
 
+def converted_index(model_dir: Path) -> dict:
+    """A converted GGUF directory's index (gguf_tensors.json): its arch, its tensors by Hugging Face
+    name (offset, kind, shape, n_elements, n_bytes), what the converter swapped."""
+    return json.loads((Path(model_dir) / "gguf_tensors.json").read_text())
+
+
 class GGUFTensors(LazyByName):
     """Hugging Face name -> tensor, read from the GGUF file when popped, with plain file
     reads at the offsets of the converted directory's index (no memory map: no mapped page
@@ -277,7 +283,7 @@ class GGUFTensors(LazyByName):
 
     def __init__(self, model_dir: Path, dequantize: bool = False):
         super().__init__()
-        index = json.loads((Path(model_dir) / "gguf_tensors.json").read_text())
+        index = converted_index(model_dir)
         self.path, self.dequantize = gguf_source(model_dir), dequantize
         self.arch, self.swapped, self.heads = index["arch"], index["swapped"], index["heads"]
         self._where = index["tensors"]
@@ -323,7 +329,7 @@ class GGUFTensors(LazyByName):
 
 def weight_bytes(model_dir: Path, dequantize_to: torch.dtype | None) -> int:
     """Resident weight bytes of a converted GGUF: its tensor data as stored, or widened to a dtype."""
-    tensors = json.loads((Path(model_dir) / "gguf_tensors.json").read_text())["tensors"].values()
+    tensors = converted_index(model_dir)["tensors"].values()
     if dequantize_to is None:
         return sum(t["n_bytes"] for t in tensors)
     size = torch.tensor([], dtype=dequantize_to).element_size()

@@ -3,7 +3,6 @@ cache, and runs one scheduled batch per step. Input preparation lives in
 input_batch.py, the cache in kv_cache.py, the other ranks in tp_ranks.py."""
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -137,7 +136,7 @@ def checkpoint_names(model_dir: Path) -> set[str] | None:
 
     p = Path(model_dir)
     if p.is_dir() and gguf_loader.gguf_source(p) is not None:
-        return set(json.loads((p / "gguf_tensors.json").read_text())["tensors"])
+        return set(gguf_loader.converted_index(p)["tensors"])
     names = set()
     for f in _checkpoint_files(p):
         if f.suffix != ".safetensors":

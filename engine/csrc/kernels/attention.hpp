@@ -573,11 +573,11 @@ struct BlockView {
   }
 };
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 // Whether this table's blocks take block_softmax.hpp's step, 16 (row, head)s at a time, rather than
-// online_softmax row by row: every AVX-512 table, on every path. Float32 attention a layer (AMD
-// EPYC Zen 5, 2 threads, old and new in one binary taking turns, medians of 9): prefill 2,048
-// tokens 0.93x the time, 512 tokens 0.91x, decode 64 sequences of 200 tokens 0.98-0.99x.
+// online_softmax row by row: every AVX-512 table, on every path, and AVX2. Float32 attention a
+// layer (AMD EPYC Zen 5, 2 threads, old and new in one binary taking turns, medians of 9): prefill
+// 2,048 tokens 0.93x the time, 512 tokens 0.91x, decode 64 sequences of 200 tokens 0.98-0.99x.
 constexpr bool kBlockSoftmax = true;
 #else
 constexpr bool kBlockSoftmax = false;
@@ -591,7 +591,7 @@ constexpr bool kBlockSoftmax = false;
 template <typename P>
 inline void softmax_rows16(const AttnShape& s, const TileScratch& t, const BlockView& b, int64_t m0, int mr, P* probs,
                            int64_t* lo, int64_t* hi) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
   const int64_t d = s.d, bs = s.bs;
   block_softmax::Rows16<P> rows;
   for (int r = 0; r < mr; ++r) {

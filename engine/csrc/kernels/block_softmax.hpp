@@ -1,34 +1,40 @@
 // The online softmax step of attention (attention.hpp) for up to 16 (row, head)s of a block at
-// once, in base 2, on every AVX-512 table: float probabilities for the float path (in place over
-// the scores), bfloat16 ones for the pair path on vdpbf16ps and the path on AMX tiles. Written for
-// the tiles first, which leave little else to do (in a 2,048-token prefill the softmax of a
-// chunk's block took longer than its scores and values together); the other paths took it since,
-// where the shared one (online_softmax, which the AVX2 and other tables keep) reduced each row on
-// its own:
+// once, in base 2, on every AVX-512 table and on AVX2: float probabilities for the float path (in
+// place over the scores), bfloat16 ones for the pair path on vdpbf16ps and the path on AMX tiles.
+// Written for the tiles first, which leave little else to do (in a 2,048-token prefill the softmax
+// of a chunk's block took longer than its scores and values together); the other paths took it
+// since, where the shared one (online_softmax, which the NEON, VXE and scalar tables keep) reduced
+// each row on its own:
 //   - exp2 of t = fma(u, c, -m) directly, c = scale * log2(e): no multiply by log2(e) and no
-//     Cody-Waite split, no clamp (t <= 0 always, and vscalefps takes 2^n of any n), a degree-5
-//     polynomial for 2^f on [-1/2, 1/2] (relative error 2.3e-7 evaluated in float32): 11 vector
-//     operations an exp where the shared exp took 18. The running max m is kept in base 2 too
-//     (scaled by c), so alpha = 2^(m_old - m_new).
-//   - the 16 rows' horizontal maxima and sums as one transposed reduction (45 operations for the
-//     16 rows where one row's reduction took 8).
+//     Cody-Waite split, no clamp on AVX-512 (t <= 0 always, and vscalefps takes 2^n of any n; AVX2
+//     builds 2^n in the exponent bits, so t is held at -127 or above, where 2^-127's bits are 0), a
+//     degree-5 polynomial for 2^f on [-1/2, 1/2] (relative error 2.3e-7 evaluated in float32): 11
+//     vector operations an exp where the shared exp took 18 (AVX2: 12 where it took 20). The
+//     running max m is kept in base 2 too (scaled by c), so alpha = 2^(m_old - m_new).
+//   - the rows' horizontal maxima and sums as one transposed reduction (AVX-512: 45 operations for
+//     16 rows where one row's reduction took 8; AVX2: 22 for 8 rows where one row's took 6).
 //   - a row's keys that start or end inside a vector through masked loads and stores.
 // The probabilities are stored by the exp pass itself (bfloat16 ones rounded there). Every row of
 // a path takes this step, decode or prefill, whatever the batch: its bits depend only on its
 // position (the vector steps start at the row's first key in the block; each row's reduction is a
 // fixed tree of its own lanes), as on the other paths.
 #pragma once
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include "../dtype.hpp"
 
 namespace cpuserve {
 namespace {  // (internal linkage, as every kernel header's: each ISA unit its own copy)
 namespace block_softmax {
+
+#ifdef __AVX512F__
+using Vec = __m512;
+[[gnu::always_inline]] inline Vec zero() { return _mm512_setzero_ps(); }
 
 // 2^t per lane for t <= 0 (t finite: 2^t of a very negative t is 0, through vscalefps).
 [[gnu::always_inline]] inline __m512 exp2(__m512 t) {
@@ -118,6 +124,107 @@ template <typename P>
   return sum;
 }
 
+#else  // AVX2: 8 lanes, 16 rows as two halves of 8
+using Vec = __m256;
+[[gnu::always_inline]] inline Vec zero() { return _mm256_setzero_ps(); }
+
+// 2^t per lane for t <= 0: 2^n built in the exponent bits of n + 127, t held at -127 or above
+// (2^-127's bits are 0, so every t below -126.5 gives 0, where AVX-512 gives subnormals).
+[[gnu::always_inline]] inline __m256 exp2(__m256 t) {
+  t = _mm256_max_ps(t, _mm256_set1_ps(-127.f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);  // exact, in [-1/2, 1/2]
+  __m256 y = _mm256_set1_ps(0.001327697653323412f);
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(0.009675545617938042f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(0.0555071160197258f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(0.24022120237350464f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(0.6931469440460205f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.0000001192092896f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// Lane r of the result: max (Max) or sum of v[r]'s 8 lanes, for r < 8 (transposed: halves, then
+// lanes two apart, then neighbours, the tree row_reduce takes for one row).
+template <bool Max>
+[[gnu::always_inline]] inline __m256 reduce8(const __m256* v) {
+  auto op = [](__m256 a, __m256 b) { return Max ? _mm256_max_ps(a, b) : _mm256_add_ps(a, b); };
+  __m256 w[4], x[2];
+  for (int i = 0; i < 4; ++i)  // [a0..3 b0..3] op [a4..7 b4..7]
+    w[i] = op(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20), _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; ++i)  // in each 128-bit half: [a0 a1 c0 c1] op [a2 a3 c2 c3]
+    x[i] = op(_mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44), _mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
+  const __m256 z = op(_mm256_shuffle_ps(x[0], x[1], 0x88), _mm256_shuffle_ps(x[0], x[1], 0xDD));
+  // z holds the vectors 0 2 4 6 1 3 5 7: put lane r on vector r
+  return _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// One row's max or sum in reduce8's tree for its lane.
+template <bool Max>
+[[gnu::always_inline]] inline float row_reduce(__m256 v) {
+  auto op = [](__m128 a, __m128 b) { return Max ? _mm_max_ps(a, b) : _mm_add_ps(a, b); };
+  __m128 s = op(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = op(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(op(s, _mm_movehdup_ps(s)));
+}
+
+// out[r] = max (Max) or sum of v[r]'s 8 lanes for r < mr (mr <= 16): 8 rows at a time, transposed
+// (reduce8) for more than 3 of them, where it costs fewer operations than the rows one at a time
+// (a decode's 3 heads of a group take those); the same bits either way.
+template <bool Max>
+[[gnu::always_inline]] inline void reduce_rows(const __m256* v, int mr, float* out) {
+  for (int h = 0; h < mr; h += 8) {
+    const int hr = std::min(8, mr - h);
+    if (hr > 3) {
+      _mm256_store_ps(out + h, reduce8<Max>(v + h));
+    } else {
+      for (int r = h; r < h + hr; ++r) out[r] = row_reduce<Max>(v[r]);
+    }
+  }
+}
+
+// The first min(n, 8) lanes, as a mask of 32-bit lanes (n > 0).
+inline __m256i lanes(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// The max of u[0, n) (n > 0) as a vector of partial maxima.
+[[gnu::always_inline]] inline __m256 row_max(const float* u, int64_t n) {
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 vm = ninf;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(u + j));
+  if (j < n) {
+    const __m256i k = lanes(n - j);
+    vm = _mm256_max_ps(vm, _mm256_blendv_ps(ninf, _mm256_maskload_ps(u + j, k), _mm256_castsi256_ps(k)));
+  }
+  return vm;
+}
+
+// to[j] = 2^fma(u[j], c, -m) for j < n (to may be u); returns their sum as partial sums.
+template <typename P>
+[[gnu::always_inline]] inline __m256 row_exp(const float* u, int64_t n, float c, float m, P* to) {
+  static_assert(std::is_same_v<P, float>, "AVX2 stores float probabilities");
+  const __m256 vc = _mm256_set1_ps(c), vneg = _mm256_set1_ps(-m);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp2(_mm256_fmadd_ps(_mm256_loadu_ps(u + j), vc, vneg));
+    _mm256_storeu_ps(to + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  if (j < n) {
+    const __m256i k = lanes(n - j);
+    const __m256 e = _mm256_and_ps(_mm256_castsi256_ps(k),
+                                   exp2(_mm256_fmadd_ps(_mm256_maskload_ps(u + j, k), vc, vneg)));
+    _mm256_maskstore_ps(to + j, k, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return sum;
+}
+#endif
+
 // The scores u[0, n) made ready for the exp pass where its multiply-add cannot take them raw
 // (a softcap: softcap * tanh(s * scale / softcap); a scale <= 0: s * scale), in place; returns
 // the factor c the exp pass applies: scale * log2(e) on raw scores, log2(e) on prepared ones.
@@ -145,19 +252,19 @@ struct Rows16 {
 template <typename P>
 inline void step(const Rows16<P>& rows, int mr, float scale, float softcap, float* m, float* l, float* alpha) {
   alignas(64) float c[16], m_new[16], psum[16];
-  __m512 v[16];
+  Vec v[16];
   for (int r = 0; r < 16; ++r) {
     const bool has = r < mr && rows.n[r] > 0;
     if (has) c[r] = prepare_scores(rows.u[r], rows.n[r], scale, softcap);
-    v[r] = has ? row_max(rows.u[r], rows.n[r]) : _mm512_setzero_ps();
+    v[r] = has ? row_max(rows.u[r], rows.n[r]) : zero();
   }
   reduce_rows<true>(v, mr, m_new);
   for (int r = 0; r < mr; ++r) {
     const bool has = rows.n[r] > 0;
     m_new[r] = has ? std::max(m[r], m_new[r] * c[r]) : m[r];
-    v[r] = has ? row_exp(rows.u[r], rows.n[r], c[r], m_new[r], rows.p[r]) : _mm512_setzero_ps();
+    v[r] = has ? row_exp(rows.u[r], rows.n[r], c[r], m_new[r], rows.p[r]) : zero();
   }
-  for (int r = mr; r < 16; ++r) v[r] = _mm512_setzero_ps();
+  for (int r = mr; r < 16; ++r) v[r] = zero();
   reduce_rows<false>(v, mr, psum);
   for (int r = 0; r < mr; ++r) {
     alpha[r] = m_new[r] == m[r] ? 1.f : std::exp2(m[r] - m_new[r]);  // 2^-inf = 0 on the first block
@@ -169,4 +276,4 @@ inline void step(const Rows16<P>& rows, int mr, float scale, float softcap, floa
 }  // namespace block_softmax
 }  // namespace
 }  // namespace cpuserve
-#endif  // __AVX512F__
+#endif  // __AVX512F__ || __AVX2__

@@ -1,7 +1,9 @@
-// block_softmax.hpp's step (attention's softmax on every AVX-512 table), compiled as the
-// avx512_bf16 table is and inlined here: a row's max and sum, and so its probabilities, do not
-// depend on how many rows share its step (the transposed reduction for more than 4 rows, the rows
-// one at a time for up to 4) nor on which rows those are; the step against a float64 softmax.
+// block_softmax.hpp's step (attention's softmax on every AVX-512 table and on AVX2), compiled as
+// the avx512_bf16 table is, and again as the avx2 one is, and inlined here: a row's max and sum,
+// and so its probabilities, do not depend on how many rows share its step (the transposed
+// reduction or the rows one at a time: AVX-512 takes the first for more than 4 rows, AVX2 for more
+// than 3 of a half of 8) nor on which rows those are; the step against a float64 softmax, keys far
+// below a row's max among them.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -16,7 +18,13 @@ using namespace cpuserve;
 
 namespace {
 
-bool have_avx512bf16() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"); }
+#ifdef __AVX512F__
+bool have_isa() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"); }
+constexpr const char* kNoIsa = "this CPU has no AVX-512 BF16";
+#else
+bool have_isa() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+constexpr const char* kNoIsa = "this CPU has no AVX2 and FMA";
+#endif
 
 // 16 rows of scores, row r with n[r] keys, every block's step of one call.
 struct Block {
@@ -55,11 +63,11 @@ Out run(Block b, int r0, int mr, float scale) {
 bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
 
 TEST(BlockSoftmax, ARowsBitsDoNotDependOnItsCompany) {
-  if (!have_avx512bf16()) GTEST_SKIP() << "this CPU has no AVX-512 BF16";
+  if (!have_isa()) GTEST_SKIP() << kNoIsa;
   for (uint32_t seed = 0; seed < 200; ++seed) {
     const Block b(seed, 1 + seed % 300);
     const Out all = run(b, 0, 16, 0.125f);
-    for (int mr : {1, 2, 3, 4, 5, 7, 16}) {
+    for (int mr : {1, 2, 3, 4, 5, 7, 9, 11, 12, 16}) {
       for (int r0 = 0; r0 + mr <= 16; r0 += mr) {
         const Out part = run(b, r0, mr, 0.125f);
         for (int r = r0; r < r0 + mr; ++r) {
@@ -73,7 +81,7 @@ TEST(BlockSoftmax, ARowsBitsDoNotDependOnItsCompany) {
 }
 
 TEST(BlockSoftmax, MatchesAFloat64Softmax) {
-  if (!have_avx512bf16()) GTEST_SKIP() << "this CPU has no AVX-512 BF16";
+  if (!have_isa()) GTEST_SKIP() << kNoIsa;
   const float scale = 0.125f;
   for (uint32_t seed = 0; seed < 50; ++seed) {
     const Block b(seed, 200);
@@ -92,6 +100,32 @@ TEST(BlockSoftmax, MatchesAFloat64Softmax) {
         }
       }
     }
+  }
+}
+
+// Keys whose exp underflows: probability 0 or the float nearest it (a subnormal on AVX-512, 0 on
+// AVX2 below 2^-126.5), never a NaN or garbage from the exponent's bits; the sum untouched by them.
+TEST(BlockSoftmax, KeysFarBelowTheMaxVanish) {
+  if (!have_isa()) GTEST_SKIP() << kNoIsa;
+  std::vector<float> u = {0.f, -20.f, -60.f, -87.f, -88.5f, -89.f, -95.f, -200.f, -1e6f, -1e30f, -1.f};
+  const float ln2 = 0.6931471805599453f;
+  for (float s : {-126.4f, -126.6f, -127.f, -127.5f, -149.f, -150.f}) u.push_back(s * ln2);
+  const int64_t n = static_cast<int64_t>(u.size());
+  std::vector<float> p(u.size());
+  block_softmax::Rows16<float> rows{};
+  rows.u[0] = u.data();
+  rows.p[0] = p.data();
+  rows.n[0] = n;
+  float m = -INFINITY, l = 0.f, alpha;
+  block_softmax::step(rows, 1, 1.f, 0.f, &m, &l, &alpha);
+  EXPECT_EQ(m, 0.f);
+  EXPECT_NEAR(l, 1.0 + std::exp(-1.0) + std::exp(-20.0), 1e-6);
+  for (int64_t j = 0; j < n; ++j) {
+    const double want = std::exp(static_cast<double>(u[j]));
+    ASSERT_FALSE(std::isnan(p[j])) << "key " << j;
+    ASSERT_GE(p[j], 0.f) << "key " << j;
+    // (log2(e) and t = u * log2(e) each round in float: an error in t of about |t| 6e-8)
+    ASSERT_NEAR(p[j], want, 2e-7 * (1.0 - u[j]) * want + 1e-37) << "key " << j << " score " << u[j];
   }
 }
 

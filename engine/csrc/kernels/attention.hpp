@@ -8,6 +8,13 @@
 // softmax (running max m, sum l, accumulator acc[D]) updated block by block, so
 // a row's result depends only on its position and its context: not on the tile,
 // the chunking of the prefill, the batch or the thread count.
+//
+// A row's keys run in partitions of kPartitionKeys (whole blocks, counted from key 0): each
+// partition's online softmax starts afresh and is merged into the row's total in order
+// (merge_state), the way flash-decoding splits a long context. An item walking all of a row's
+// blocks merges at each partition's end; a decode row of a call with few items is split into one
+// item a partition, the threads sharing its context, and its partitions merged after them in the
+// same order with the same arithmetic: the same bits either way.
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -49,7 +56,15 @@ enum class AttnPath { widen, direct, pairs, amx };
 
 // Rows [row0, row0 + rows) of one sequence, query heads [g0, g1) of kv head kv_head's group.
 // A decode row may take its sequence's nkv kv heads (from kv_head on) in one item: see whole_sequences.
-struct AttnItem { int32_t seq, kv_head, row0, rows, g0, g1, nkv = 1; };
+// part >= 0: only the blocks of that partition (see kPartitionKeys), the item's softmax state
+// left in partial slot `slot` for merge_partitions.
+struct AttnItem { int32_t seq, kv_head, row0, rows, g0, g1, nkv = 1, part = -1, slot = -1; };
+
+// The keys of a partition: each runs its own online softmax, merged in order into the row's total.
+// 512 as vLLM's paged attention v2 partitions: a single sequence's 3 kv heads at 7,500 tokens are
+// 45 items for the threads where they were 3 (two threads: 2 and 1).
+constexpr int64_t kPartitionKeys = 512;
+inline int64_t partition_blocks(int64_t bs) { return std::max<int64_t>(1, kPartitionKeys / bs); }
 
 // dst = src * scale (scale: the float8 cache's per-tensor scale, 1 otherwise).
 template <typename T>
@@ -437,12 +452,51 @@ inline bool split_decode_heads(int64_t items, int64_t group, int64_t threads) {
 // the kv heads' items'), nor on a tensor-parallel rank holding part of a group, nor on the paths
 // that widen a block into buffers or take AMX tiles.
 template <typename T>
+inline bool whole_sequence_items(const AttnArgs<T>& a, AttnPath path) {
+  return a.hk > 1 && a.q_off == 0 && a.hq == a.hk * a.group && (path == AttnPath::direct || path == AttnPath::pairs);
+}
+template <typename T>
 inline bool whole_sequences(const AttnArgs<T>& a, AttnPath path, int64_t threads) {
-  if (a.hk <= 1 || a.q_off != 0 || a.hq != a.hk * a.group) return false;
-  if (path != AttnPath::direct && path != AttnPath::pairs) return false;
+  if (!whole_sequence_items(a, path)) return false;
   const int64_t whole = (a.num_seqs + threads - 1) / threads * a.hk;
   const int64_t split = (a.num_seqs * a.hk + threads - 1) / threads;
   return whole * 8 <= split * 9;
+}
+
+// Whether a call's decode rows of more than one partition take an item a partition: where its
+// items are fewer than the threads, or too few to share evenly (3 kv heads' items on 2 threads: one
+// thread read two, the other one). Bits are the same either way (merge_state, in partition order);
+// only the time differs. Float32 decode attention, SmolLM2's 3 kv heads, 30 layers' caches from
+// memory (AMD EPYC Zen 4, 2 threads, the two builds taking turns by process, 3 rounds of 5,
+// medians): one sequence of 7,500 tokens 13.9-14.8 -> 9.6-11.8 ms (0.67-0.83x; 24 -> 29-36 GB/s),
+// of 1,000 1.56-1.69 -> 1.15-1.33; two of 7,500 and four of 3,750 (whole-sequence items, not
+// split) level. Splitting those too (two of 7,500 as 30 items) took 1.06x their time.
+inline bool split_by_partition(int64_t items, int64_t threads) {
+  return threads > 1 && (items < threads || (items % threads != 0 && items < 4 * threads));
+}
+
+// Sequence s's decode row as one item a partition of its keys, each with its own partial slot
+// (slots counts them): all its kv heads in an item where `whole` (whole_sequence_items), else an
+// item a kv head and partition. False, nothing added, where its keys are one partition.
+template <typename T>
+inline bool add_partition_items(const AttnArgs<T>& a, int32_t s, bool whole, std::vector<AttnItem>& items,
+                                int32_t& slots) {
+  const int64_t pos = a.seq_lens[s] - 1, pb = partition_blocks(a.bs);
+  const int64_t lo_key = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
+  const int32_t p0 = static_cast<int32_t>(lo_key / a.bs / pb), p1 = static_cast<int32_t>(pos / a.bs / pb);
+  if (p1 == p0) return false;
+  if (whole) {
+    for (int32_t p = p0; p <= p1; ++p)
+      items.push_back({s, 0, 0, 1, 0, static_cast<int32_t>(a.hq), static_cast<int32_t>(a.hk), p, slots++});
+    return true;
+  }
+  for (int32_t h = 0; h < a.hk; ++h) {
+    const int32_t ga = static_cast<int32_t>(std::max<int64_t>(0, h * a.group - a.q_off));
+    const int32_t gb = static_cast<int32_t>(std::min<int64_t>(a.hq, (h + 1) * a.group - a.q_off));
+    if (ga >= gb) continue;
+    for (int32_t p = p0; p <= p1; ++p) items.push_back({s, h, 0, 1, ga, gb, 1, p, slots++});
+  }
+  return true;
 }
 
 // The work list, rebuilt per call in storage reused across calls (no allocation once warm).
@@ -450,15 +504,26 @@ inline bool whole_sequences(const AttnArgs<T>& a, AttnPath path, int64_t threads
 // hq = hk * group this is plain GQA; a tensor-parallel rank holding part of a
 // group passes where its first query head sits inside its first kv head's group.
 template <typename T>
-inline const std::vector<AttnItem>& attention_items(const AttnArgs<T>& a, AttnPath path) {
+inline const std::vector<AttnItem>& attention_items(const AttnArgs<T>& a, AttnPath path, int32_t& slots) {
   int64_t group_items = 0;
   for (int64_t s = 0; s < a.num_seqs; ++s) group_items += (a.qsl[s + 1] - a.qsl[s] + kQTile - 1) / kQTile * a.hk;
-  const bool split_heads = split_decode_heads(group_items, a.group, omp_get_max_threads());
-  const bool whole_seqs = !split_heads && whole_sequences(a, path, omp_get_max_threads());
+  const int64_t threads = omp_get_max_threads();
+  const bool split_heads = split_decode_heads(group_items, a.group, threads);
+  const bool whole_seqs = !split_heads && whole_sequences(a, path, threads);
+  int64_t decodes = 0;
+  for (int64_t s = 0; s < a.num_seqs; ++s) decodes += a.qsl[s + 1] - a.qsl[s] == 1;
+  // the items of the call as it would be cut without partition items
+  const int64_t per_decode = split_heads ? a.hq : whole_seqs ? 1 : a.hk;
+  const int64_t unsplit = group_items - decodes * a.hk + decodes * per_decode;
+  const bool by_partition = decodes > 0 && split_by_partition(unsplit, threads);
+  const bool whole_parts = whole_sequence_items(a, path);
   static thread_local std::vector<AttnItem> items;
   items.clear();
+  slots = 0;
   for (int64_t s = 0; s < a.num_seqs; ++s) {
     const int32_t q_len = a.qsl[s + 1] - a.qsl[s];
+    if (q_len == 1 && by_partition && add_partition_items(a, static_cast<int32_t>(s), whole_parts, items, slots))
+      continue;
     if (q_len == 1 && whole_seqs) {
       items.push_back({static_cast<int32_t>(s), 0, 0, 1, 0, static_cast<int32_t>(a.hq), static_cast<int32_t>(a.hk)});
       continue;
@@ -487,6 +552,9 @@ struct TileScratch {
   float* acc;   // [rows][group][d]
   float* m;     // [rows][group]
   float* l;     // [rows][group]
+  float* tacc;  // [rows][group][d] the partitions merged so far (merge_state), with tm and tl
+  float* tm;    // [rows][group]
+  float* tl;    // [rows][group]
   float* sblk;  // [rows][group][bs] a block's scores, then probabilities
   float* kbuf;  // [d][bs] keys as float (float8 or scaled caches)
   float* vbuf;  // [bs][d] values as float
@@ -508,15 +576,17 @@ struct TileScratch {
     static thread_local int tiles = 0;
     const int64_t tile = kQTile * group;
     auto lines = [](int64_t floats) { return (floats + 15) / 16 * 16; };
-    const int64_t sizes[] = {tile * d, tile, tile, tile * bs, bs * d, bs * d, (tile * d + 1) / 2, (tile * bs + 1) / 2};
+    const int64_t sizes[] = {tile * d, tile, tile, tile * bs, bs * d, bs * d, (tile * d + 1) / 2, (tile * bs + 1) / 2,
+                             tile * d, tile, tile};
+    constexpr int kParts = sizeof(sizes) / sizeof(sizes[0]);
     int64_t need = 0;
     for (const int64_t n : sizes) need += lines(n);
     if (scratch.size() < static_cast<size_t>(need)) scratch.resize(static_cast<size_t>(need));
     if (qptr.size() < static_cast<size_t>(tile)) qptr.resize(static_cast<size_t>(tile));
     if (qpair.size() < qptr.size()) qpair.resize(qptr.size());
-    float* part[8];
+    float* part[kParts];
     part[0] = scratch.data();
-    for (int i = 1; i < 8; ++i) part[i] = part[i - 1] + lines(sizes[i - 1]);
+    for (int i = 1; i < kParts; ++i) part[i] = part[i - 1] + lines(sizes[i - 1]);
     TileScratch t;
     t.acc = part[0];
     t.m = part[1];
@@ -526,6 +596,9 @@ struct TileScratch {
     t.vbuf = part[5];
     t.qb = reinterpret_cast<bf16*>(part[6]);
     t.pb = reinterpret_cast<bf16*>(part[7]);
+    t.tacc = part[8];
+    t.tm = part[9];
+    t.tl = part[10];
     t.qptr = qptr.data();
     t.qpair = qpair.data();
     t.tiles = &tiles;
@@ -537,6 +610,9 @@ struct TileScratch {
     h.acc += i0 * d;
     h.m += i0;
     h.l += i0;
+    h.tacc += i0 * d;
+    h.tm += i0;
+    h.tl += i0;
     h.sblk += i0 * bs;
     h.qb += i0 * d;
     h.pb += i0 * bs;
@@ -582,6 +658,30 @@ constexpr bool kBlockSoftmax = true;
 #else
 constexpr bool kBlockSoftmax = false;
 #endif
+
+// e^x, or 2^x where this table's softmax keeps its running max in base 2 (block_softmax.hpp).
+inline float softmax_pow(float x) { return kBlockSoftmax ? std::exp2(x) : std::exp(x); }
+
+// A (row, head)'s total (tm, tl, tacc[0, d)) merged with a partition's state (m, l, acc): both
+// rescaled to the larger max (a state without keys, m = -inf and l = 0, leaves the total as it
+// is; the first partition into an empty total gives its own state exactly, so a row of one
+// partition gets the bits it had before partitions). The one merge of every path and order.
+inline void merge_state(float& tm, float& tl, float* tacc, float m, float l, const float* acc, int64_t d) {
+  const float mx = std::max(tm, m);
+  const float a = tm == mx ? 1.f : softmax_pow(tm - mx), b = m == mx ? 1.f : softmax_pow(m - mx);
+  tl = tl * a + l * b;
+  tm = mx;
+  const VecF va = VecF::set1(a), vb = VecF::set1(b);
+  int64_t e = 0;
+  for (; e + VecF::N <= d; e += VecF::N) VecF::fma(VecF::load(acc + e), vb, VecF::load(tacc + e) * va).store(tacc + e);
+  for (; e < d; ++e) tacc[e] = std::fma(acc[e], b, tacc[e] * a);
+}
+
+// The output of a (row, head): its total's accumulator over its sum (0 where it saw no key).
+inline void write_state(float* o, float tl, const float* tacc, int64_t d) {
+  const float inv = tl > 0.f ? 1.f / tl : 0.f;
+  for (int64_t e = 0; e < d; ++e) o[e] = tacc[e] * inv;
+}
 
 // The (row, head)s [m0, m0 + mr) of a block (mr <= 16) through its online softmax step
 // (block_softmax.hpp: base 2, the rows' reductions transposed, the probabilities stored by the exp
@@ -915,9 +1015,10 @@ template <typename T>
 inline void start_tile(const AttnArgs<T>& a, const AttnItem& w, const TileScratch& t, [[maybe_unused]] AttnPath path) {
   const int64_t d = a.d, ng = w.g1 - w.g0;
   for (int64_t i = 0; i < w.rows * ng; ++i) {
-    t.m[i] = -std::numeric_limits<float>::infinity();
-    t.l[i] = 0.f;
+    t.m[i] = t.tm[i] = -std::numeric_limits<float>::infinity();
+    t.l[i] = t.tl[i] = 0.f;
     std::fill(t.acc + i * d, t.acc + (i + 1) * d, 0.f);
+    std::fill(t.tacc + i * d, t.tacc + (i + 1) * d, 0.f);
   }
   for (int64_t r = 0; r < w.rows; ++r)
     for (int64_t g = w.g0; g < w.g1; ++g)
@@ -931,31 +1032,61 @@ inline void start_tile(const AttnArgs<T>& a, const AttnItem& w, const TileScratc
 #endif
 }
 
-// A work item's end: each (row, head)'s accumulator over its sum, into the output.
+// A partition's end: each of the item's n (row, head) states merged into its total and started
+// afresh.
+inline void fold_partition(const TileScratch& t, int64_t n, int64_t d) {
+  for (int64_t i = 0; i < n; ++i) {
+    merge_state(t.tm[i], t.tl[i], t.tacc + i * d, t.m[i], t.l[i], t.acc + i * d, d);
+    t.m[i] = -std::numeric_limits<float>::infinity();
+    t.l[i] = 0.f;
+    std::fill(t.acc + i * d, t.acc + (i + 1) * d, 0.f);
+  }
+}
+
+// Where in the call's partials a partition item (a decode row's, part >= 0) leaves its states:
+// per head acc [d], m and l.
+inline int64_t partial_at(int64_t slot, int64_t group, int64_t d) { return slot * group * (d + 2); }
+
+// A work item's end: each (row, head)'s last partition merged into its total, whose accumulator
+// over its sum goes to the output; a partition item's states go to its slot instead.
 template <typename T>
-inline void finish_tile(const AttnArgs<T>& a, const AttnItem& w, const TileScratch& t) {
+inline void finish_tile(const AttnArgs<T>& a, const AttnItem& w, const TileScratch& t, float* partials) {
   const int64_t d = a.d, ng = w.g1 - w.g0;
+  if (w.part >= 0) {
+    float* p = partials + partial_at(w.slot, a.hq, d);
+    for (int64_t g = 0; g < ng; ++g, p += d + 2) {
+      std::copy(t.acc + g * d, t.acc + (g + 1) * d, p);
+      p[d] = t.m[g];
+      p[d + 1] = t.l[g];
+    }
+    return;
+  }
+  fold_partition(t, w.rows * ng, d);
   for (int64_t r = 0; r < w.rows; ++r) {
     const int64_t tok = a.qsl[w.seq] + w.row0 + r;
     for (int64_t g = w.g0; g < w.g1; ++g) {
       const int64_t st = r * ng + (g - w.g0);
-      const float inv = t.l[st] > 0.f ? 1.f / t.l[st] : 0.f;
-      float* o = a.out + tok * a.out_stride + g * d;
-      const float* acc = t.acc + st * d;
-      for (int64_t e = 0; e < d; ++e) o[e] = acc[e] * inv;
+      write_state(a.out + tok * a.out_stride + g * d, t.tl[st], t.tacc + st * d, d);
     }
   }
 }
 
 // Where an item's rows sit and which cache blocks they read.
 struct ItemSpan {
-  int64_t first_pos, last_pos, first_blk;  // first row's and last row's positions; first block read
+  int64_t first_pos, last_pos;   // first row's and last row's positions
+  int64_t first_blk, end_blk;    // the blocks read: [first_blk, end_blk), one partition's of a partition item
   template <typename T>
   static ItemSpan of(const AttnArgs<T>& a, const AttnItem& w) {
     const int64_t q_len = a.qsl[w.seq + 1] - a.qsl[w.seq];
-    const int64_t first_pos = a.seq_lens[w.seq] - q_len + w.row0;
+    const int64_t first_pos = a.seq_lens[w.seq] - q_len + w.row0, last_pos = first_pos + w.rows - 1;
     const int64_t lo_key = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) : 0;
-    return {first_pos, first_pos + w.rows - 1, lo_key / a.bs};
+    ItemSpan sp{first_pos, last_pos, lo_key / a.bs, last_pos / a.bs + 1};
+    if (w.part >= 0) {
+      const int64_t pb = partition_blocks(a.bs);
+      sp.first_blk = std::max<int64_t>(sp.first_blk, w.part * pb);
+      sp.end_blk = std::min<int64_t>(sp.end_blk, (w.part + 1) * pb);
+    }
+    return sp;
   }
 };
 
@@ -986,7 +1117,7 @@ inline void fetch_block(const AttnArgs<T>& a, const AttnItem& w, int64_t blk, in
 template <typename T>
 inline void fetch_after(const AttnArgs<T>& a, const AttnItem& w, const ItemSpan& sp, int64_t blk,
                         const AttnItem* next) {
-  if ((blk + 1) * a.bs <= sp.last_pos) return fetch_block(a, w, blk + 1, sp.last_pos);
+  if (blk + 1 < sp.end_blk) return fetch_block(a, w, blk + 1, sp.last_pos);
   if (next == nullptr) return;
   const ItemSpan nx = ItemSpan::of(a, *next);
   fetch_block(a, *next, nx.first_blk, nx.last_pos);
@@ -1016,25 +1147,28 @@ inline bool fetches_ahead(const AttnArgs<T>& a, AttnPath path, int64_t n_rows) {
 }
 inline bool claims_ahead(AttnPath path, int64_t n_rows) { return path == AttnPath::amx && few_rows(n_rows); }
 
-// One work item: its rows and heads through the sequence's blocks in order, the block after each
-// fetched where fetches_ahead says (`next`: the item this thread takes next, if claimed).
+// One work item: its rows and heads through the sequence's blocks in order (a partition item:
+// its partition's), each partition merged into the total at its end, the block after each fetched
+// where fetches_ahead says (`next`: the item this thread takes next, if claimed).
 template <typename T>
 inline void attend_item(const AttnArgs<T>& a, const AttnItem& w, const AttnItem* next, const TileScratch& t,
-                        AttnPath path) {
+                        AttnPath path, float* partials) {
   const ItemSpan sp = ItemSpan::of(a, w);
+  const int64_t pb = partition_blocks(a.bs);
   const bool fetch = fetches_ahead(a, path, w.rows * (w.g1 - w.g0));
   start_tile(a, w, t, path);
-  for (int64_t blk = sp.first_blk; blk * a.bs <= sp.last_pos; ++blk) {
+  for (int64_t blk = sp.first_blk; blk < sp.end_blk; ++blk) {
+    if (blk > sp.first_blk && blk % pb == 0) fold_partition(t, w.rows * (w.g1 - w.g0), a.d);
     if (fetch) fetch_after(a, w, sp, blk, next);
     if (w.nkv > 1) {
-      if ((blk + 1) * a.bs <= sp.last_pos) fetch_pages(a.k_cache + tile_offset(a, w, blk + 1), w.nkv * a.bs * a.d);
+      if (blk + 1 < sp.end_blk) fetch_pages(a.k_cache + tile_offset(a, w, blk + 1), w.nkv * a.bs * a.d);
       attend_whole_block(a, t, w, BlockView::at(1, a.group, sp.first_pos, blk * a.bs, a), tile_offset(a, w, blk), path);
       continue;
     }
     const BlockView b = BlockView::at(w.rows, w.g1 - w.g0, sp.first_pos, blk * a.bs, a);
     attend_tile_block(a, t, b, tile_offset(a, w, blk), path);
   }
-  finish_tile(a, w, t);
+  finish_tile(a, w, t, partials);
 }
 
 // The path of a call (see AttnPath). bfloat16 caches on CPUs with AVX-512 BF16: bfloat16 pair dot
@@ -1048,12 +1182,48 @@ inline AttnPath attention_path(const AttnArgs<T>& a) {
   return kAmxAttention && a.d % 32 == 0 && a.bs % kAmxKeys == 0 ? AttnPath::amx : AttnPath::pairs;
 }
 
+// The partition items' states merged per (row, head), in partition order, into the output: the
+// merge_state and write_state of an item that walks all the partitions itself (finish_tile).
+template <typename T>
+inline void merge_partitions(const AttnArgs<T>& a, const std::vector<AttnItem>& items, const float* partials) {
+  const int64_t d = a.d;
+  static thread_local std::vector<float> tacc;
+  tacc.resize(static_cast<size_t>(d));
+  for (size_t i = 0; i < items.size();) {
+    const AttnItem& w = items[i];
+    if (w.part < 0) {
+      ++i;
+      continue;
+    }
+    size_t j = i;  // [i, j): the partitions of w's (sequence, kv head), in order
+    while (j < items.size() && items[j].part >= 0 && items[j].seq == w.seq && items[j].kv_head == w.kv_head &&
+           items[j].nkv == w.nkv)
+      ++j;
+    const int64_t tok = a.qsl[w.seq] + w.row0;
+    for (int64_t g = 0; g < w.g1 - w.g0; ++g) {
+      float tm = -std::numeric_limits<float>::infinity(), tl = 0.f;
+      std::fill(tacc.begin(), tacc.end(), 0.f);
+      for (size_t k = i; k < j; ++k) {
+        const float* p = partials + partial_at(items[k].slot, a.hq, d) + g * (d + 2);
+        merge_state(tm, tl, tacc.data(), p[d], p[d + 1], p, d);
+      }
+      write_state(a.out + tok * a.out_stride + (w.g0 + g) * d, tl, tacc.data(), d);
+    }
+    i = j;
+  }
+}
+
 template <typename T>
 void paged_attention_t(const AttnArgs<T>& a) {
   const AttnPath path = attention_path(a);
-  const std::vector<AttnItem>& items = attention_items(a, path);
+  int32_t slots = 0;
+  const std::vector<AttnItem>& items = attention_items(a, path, slots);
   const int64_t n_items = static_cast<int64_t>(items.size());
   const AttnItem* item_ptr = items.data();
+  static thread_local LineVector<float> partial_buf;
+  if (partial_buf.size() < static_cast<size_t>(slots * a.hq * (a.d + 2)))
+    partial_buf.resize(static_cast<size_t>(slots * a.hq * (a.d + 2)));
+  float* partials = partial_buf.data();
   // Items are taken one at a time (their costs differ with their contexts). A thread claims its
   // next item before it starts a decode item on tiles, so that it can fetch that item's first
   // block; other items are claimed only when their turn comes (a prefill's held ones left a thread
@@ -1066,7 +1236,7 @@ void paged_attention_t(const AttnArgs<T>& a) {
     for (int64_t it = claim(); it < n_items;) {
       const AttnItem& w = item_ptr[it];
       const int64_t nx = claims_ahead(path, w.rows * (w.g1 - w.g0)) ? claim() : -1;
-      attend_item(a, w, nx >= 0 && nx < n_items ? item_ptr + nx : nullptr, t, path);
+      attend_item(a, w, nx >= 0 && nx < n_items ? item_ptr + nx : nullptr, t, path, partials);
       it = nx >= 0 ? nx : claim();
     }
 #ifdef __AMX_BF16__
@@ -1076,6 +1246,7 @@ void paged_attention_t(const AttnArgs<T>& a) {
     }
 #endif
   }
+  if (slots > 0) merge_partitions(a, items, partials);
 }
 
 void paged_attention_impl(float* out, const float* q, const void* k_cache, const void* v_cache,

@@ -252,13 +252,12 @@ TEST(GatedGemm, EqualsGemmThenSiluAndMulEveryTable) {
 
 template <typename T>
 void check_attention(const KernelTable* v, DType dt, int64_t bs, int64_t group, float ks = 1.f, float vs = 1.f,
-                     int64_t d = 64) {
+                     int64_t d = 64, std::vector<int32_t> q_lens = {1, 19, 5}, std::vector<int32_t> ctx = {40, 19, 70}) {
   const KernelTable* s = table_scalar();
   const int64_t hk = 2, hq = hk * group;
-  std::vector<int32_t> q_lens = {1, 19, 5}, ctx = {40, 19, 70};
   std::vector<int32_t> qsl = {0};
   for (auto l : q_lens) qsl.push_back(qsl.back() + l);
-  const int64_t max_blocks = (70 + bs - 1) / bs, nblocks = 3 * max_blocks;
+  const int64_t max_blocks = (*std::max_element(ctx.begin(), ctx.end()) + bs - 1) / bs, nblocks = 3 * max_blocks;
   std::vector<int32_t> tables(3 * max_blocks);
   for (int64_t i = 0; i < 3 * max_blocks; ++i) tables[i] = int32_t((i * 7) % nblocks);
   auto kc = convert<T>(randn(nblocks * hk * bs * d, 11));
@@ -276,7 +275,7 @@ void check_attention(const KernelTable* v, DType dt, int64_t bs, int64_t group, 
     for (const auto& x : vc) prob = std::max(prob, std::fabs(to_float(x)));
     prob *= 1.f / 512.f;
   }
-  for (int64_t window : {int64_t(0), int64_t(16)}) {
+  for (int64_t window : {int64_t(0), int64_t(16), int64_t(700)}) {
     v->paged_attention(o1.data(), q.data(), kc.data(), vc.data(), dt, tables.data(), max_blocks, ctx.data(),
                        qsl.data(), 3, hq, hk, group, 0, d, bs, 0.125f, window, 0.f, hq * d, hq * d, ks, vs);
     s->paged_attention(o2.data(), qs.data(), kc.data(), vc.data(), dt, tables.data(), max_blocks, ctx.data(),
@@ -301,6 +300,17 @@ TEST_P(VectorVsScalar, PagedAttentionAllDtypesBlockSizesGqa) {
   for (int64_t group : {1, 3}) {
     check_attention<float>(GetParam(), DType::F32, 128, group, 1.f, 1.f, 128);
     check_attention<bf16>(GetParam(), DType::BF16, 128, group, 1.f, 1.f, 128);
+  }
+}
+
+// Rows past one partition of keys (attention.hpp kPartitionKeys: 512), merged in order: two
+// decodes (split into an item a partition where the call has few items) and the last 40 rows of a
+// prompt, windows starting inside a partition.
+TEST_P(VectorVsScalar, PagedAttentionRowsOfSeveralPartitions) {
+  for (int64_t bs : {16, 128}) {
+    check_attention<float>(GetParam(), DType::F32, bs, 3, 1.f, 1.f, 64, {1, 40, 1}, {1300, 700, 530});
+    check_attention<bf16>(GetParam(), DType::BF16, bs, 3, 1.f, 1.f, 64, {1, 40, 1}, {1300, 700, 530});
+    check_attention<f8e5m2>(GetParam(), DType::F8E5M2, bs, 3, 0.5f, 2.f, 64, {1, 40, 1}, {1300, 700, 530});
   }
 }
 

@@ -367,6 +367,34 @@ def test_paged_attention_decode_whole_sequences_or_kv_heads(kern, dtype, block_s
     _assert_reference_decode(kern, dtype, outs[0], q, kc, vc, tables, seq_lens, qsl, hq)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2])
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("window", [0, 700])
+def test_paged_attention_rows_of_several_partitions(kern, dtype, block_size, window):
+    """Rows whose keys span several partitions (attention.hpp kPartitionKeys: 512 keys, each run
+    through its own online softmax and merged in order): three decode rows split into an item a
+    partition on sixteen threads, walked whole on one, give the same bits, and so does each
+    position as the last row of a prefill chunk; the reference's values. Windows start inside a
+    partition; 513 keys leave one in the last."""
+    ctx = [1300, 700, 513]
+    q, kc, vc, tables, seq_lens, qsl, hq = _attention_case(dtype, block_size, 3, 64, [1] * 3, ctx, 11)
+    run = lambda q, seq_lens, qsl: ops.paged_attention(q, kc, vc, tables[:len(seq_lens)], seq_lens, qsl, hq, 0.125,
+                                                       window, k=kern)
+    outs = _on_threads((1, 16), lambda: run(q, seq_lens, qsl))
+    assert torch.equal(outs[0], outs[1])
+    for i, n in enumerate(ctx):  # position n - 1 as the last of 40 prompt rows
+        chunk = torch.randn(40, q.shape[1])
+        chunk[-1] = q[i]
+        one = tables[i:i + 1]
+        got = ops.paged_attention(chunk, kc, vc, one, torch.tensor([n], dtype=torch.int32),
+                                  torch.tensor([0, 40], dtype=torch.int32), hq, 0.125, window, k=kern)
+        assert torch.equal(got[-1], outs[0][i]), f"row {i}"
+    pairs = kern.bf16_dot and dtype == torch.bfloat16
+    want = ref.paged_attention(q, kc, vc, tables, seq_lens, qsl, hq, 0.125, window, bf16_inputs=pairs)
+    prob = ref.BF16_PROBABILITY_ERROR * float(vc.float().abs().max()) if pairs else 0.0
+    torch.testing.assert_close(outs[0], want, rtol=2e-5, atol=2e-5 + prob)
+
+
 @pytest.mark.parametrize("dtype", STORAGE)
 # 1-8 rows run in one pass over the weights (gemm.hpp kPassRows); K = 4,200: K blocks (gemm.hpp
 # k_block) where the L2 is at most 2 MiB (float32), 1 MiB (bfloat16); bfloat16 pairs on vdpbf16ps take

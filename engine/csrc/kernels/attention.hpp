@@ -61,9 +61,13 @@ enum class AttnPath { widen, direct, pairs, amx };
 struct AttnItem { int32_t seq, kv_head, row0, rows, g0, g1, nkv = 1, part = -1, slot = -1; };
 
 // The keys of a partition: each runs its own online softmax, merged in order into the row's total.
-// 512 as vLLM's paged attention v2 partitions: a single sequence's 3 kv heads at 7,500 tokens are
-// 45 items for the threads where they were 3 (two threads: 2 and 1).
-constexpr int64_t kPartitionKeys = 512;
+// A single sequence's 3 kv heads at 7,500 tokens are 12 items for the threads where they were 3
+// (two threads: 2 and 1). vLLM's paged attention v2 takes 512; here a 2,048-token prefill's rows
+// would then merge up to three times: its attention took 1.03-1.05x the time (AMD EPYC Zen 4, float32,
+// the builds taking turns), where 2,048 leaves it level (rows up to 2,048 keys never merge) and
+// still takes one sequence's decode at 7,500 tokens to 0.73-0.80x (512: 0.63-0.69x), at 3,000 to
+// 0.75-0.79x (512: 0.65x).
+constexpr int64_t kPartitionKeys = 2048;
 inline int64_t partition_blocks(int64_t bs) { return std::max<int64_t>(1, kPartitionKeys / bs); }
 
 // dst = src * scale (scale: the float8 cache's per-tensor scale, 1 otherwise).
@@ -467,10 +471,10 @@ inline bool whole_sequences(const AttnArgs<T>& a, AttnPath path, int64_t threads
 // items are fewer than the threads, or too few to share evenly (3 kv heads' items on 2 threads: one
 // thread read two, the other one). Bits are the same either way (merge_state, in partition order);
 // only the time differs. Float32 decode attention, SmolLM2's 3 kv heads, 30 layers' caches from
-// memory (AMD EPYC Zen 4, 2 threads, the two builds taking turns by process, 3 rounds of 5,
-// medians): one sequence of 7,500 tokens 13.9-14.8 -> 9.6-11.8 ms (0.67-0.83x; 24 -> 29-36 GB/s),
-// of 1,000 1.56-1.69 -> 1.15-1.33; two of 7,500 and four of 3,750 (whole-sequence items, not
-// split) level. Splitting those too (two of 7,500 as 30 items) took 1.06x their time.
+// memory (AMD EPYC Zen 4, 2 threads, the builds taking turns by process, medians of 5): one
+// sequence of 7,500 tokens 13.7-15.8 -> 11.5-11.9 ms (22-25 -> 29-30 GB/s), of 3,000 5.8-6.2 ->
+// 4.7-5.3; two of 7,500 and four of 3,750 (whole-sequence items, not split) level. Splitting those
+// too (two of 7,500 as an item a 512-key partition) took 1.06x their time.
 inline bool split_by_partition(int64_t items, int64_t threads) {
   return threads > 1 && (items < threads || (items % threads != 0 && items < 4 * threads));
 }
@@ -662,10 +666,10 @@ constexpr bool kBlockSoftmax = false;
 // e^x, or 2^x where this table's softmax keeps its running max in base 2 (block_softmax.hpp).
 inline float softmax_pow(float x) { return kBlockSoftmax ? std::exp2(x) : std::exp(x); }
 
-// A (row, head)'s total (tm, tl, tacc[0, d)) merged with a partition's state (m, l, acc): both
-// rescaled to the larger max (a state without keys, m = -inf and l = 0, leaves the total as it
-// is; the first partition into an empty total gives its own state exactly, so a row of one
-// partition gets the bits it had before partitions). The one merge of every path and order.
+// A (row, head)'s total (tm, tl, tacc[0, d)) merged with its next partition's state (m, l, acc):
+// both rescaled to the larger max (a state without keys, m = -inf and l = 0, leaves the total as it
+// is). The total starts as the first partition's state itself, so a row of one partition gets the
+// bits it had before partitions. The one merge of every path and order.
 inline void merge_state(float& tm, float& tl, float* tacc, float m, float l, const float* acc, int64_t d) {
   const float mx = std::max(tm, m);
   const float a = tm == mx ? 1.f : softmax_pow(tm - mx), b = m == mx ? 1.f : softmax_pow(m - mx);
@@ -1015,10 +1019,9 @@ template <typename T>
 inline void start_tile(const AttnArgs<T>& a, const AttnItem& w, const TileScratch& t, [[maybe_unused]] AttnPath path) {
   const int64_t d = a.d, ng = w.g1 - w.g0;
   for (int64_t i = 0; i < w.rows * ng; ++i) {
-    t.m[i] = t.tm[i] = -std::numeric_limits<float>::infinity();
-    t.l[i] = t.tl[i] = 0.f;
+    t.m[i] = -std::numeric_limits<float>::infinity();
+    t.l[i] = 0.f;
     std::fill(t.acc + i * d, t.acc + (i + 1) * d, 0.f);
-    std::fill(t.tacc + i * d, t.tacc + (i + 1) * d, 0.f);
   }
   for (int64_t r = 0; r < w.rows; ++r)
     for (int64_t g = w.g0; g < w.g1; ++g)
@@ -1032,11 +1035,17 @@ inline void start_tile(const AttnArgs<T>& a, const AttnItem& w, const TileScratc
 #endif
 }
 
-// A partition's end: each of the item's n (row, head) states merged into its total and started
-// afresh.
-inline void fold_partition(const TileScratch& t, int64_t n, int64_t d) {
+// A partition's end: each of the item's n (row, head) states merged into its total (the first
+// partition's state becomes the total as it is), and started afresh.
+[[gnu::noinline, gnu::cold]] void fold_partition(const TileScratch& t, int64_t n, int64_t d, bool first) {
   for (int64_t i = 0; i < n; ++i) {
-    merge_state(t.tm[i], t.tl[i], t.tacc + i * d, t.m[i], t.l[i], t.acc + i * d, d);
+    if (first) {
+      t.tm[i] = t.m[i];
+      t.tl[i] = t.l[i];
+      std::copy(t.acc + i * d, t.acc + (i + 1) * d, t.tacc + i * d);
+    } else {
+      merge_state(t.tm[i], t.tl[i], t.tacc + i * d, t.m[i], t.l[i], t.acc + i * d, d);
+    }
     t.m[i] = -std::numeric_limits<float>::infinity();
     t.l[i] = 0.f;
     std::fill(t.acc + i * d, t.acc + (i + 1) * d, 0.f);
@@ -1047,10 +1056,11 @@ inline void fold_partition(const TileScratch& t, int64_t n, int64_t d) {
 // per head acc [d], m and l.
 inline int64_t partial_at(int64_t slot, int64_t group, int64_t d) { return slot * group * (d + 2); }
 
-// A work item's end: each (row, head)'s last partition merged into its total, whose accumulator
-// over its sum goes to the output; a partition item's states go to its slot instead.
+// A work item's end: each (row, head)'s accumulator over its sum into the output, its last
+// partition merged into its total first where the item crossed a partition's end (`folded`); a
+// partition item's states go to its slot instead.
 template <typename T>
-inline void finish_tile(const AttnArgs<T>& a, const AttnItem& w, const TileScratch& t, float* partials) {
+inline void finish_tile(const AttnArgs<T>& a, const AttnItem& w, const TileScratch& t, bool folded, float* partials) {
   const int64_t d = a.d, ng = w.g1 - w.g0;
   if (w.part >= 0) {
     float* p = partials + partial_at(w.slot, a.hq, d);
@@ -1061,12 +1071,14 @@ inline void finish_tile(const AttnArgs<T>& a, const AttnItem& w, const TileScrat
     }
     return;
   }
-  fold_partition(t, w.rows * ng, d);
+  if (folded) fold_partition(t, w.rows * ng, d, false);
+  const float* l = folded ? t.tl : t.l;
+  const float* acc = folded ? t.tacc : t.acc;
   for (int64_t r = 0; r < w.rows; ++r) {
     const int64_t tok = a.qsl[w.seq] + w.row0 + r;
     for (int64_t g = w.g0; g < w.g1; ++g) {
       const int64_t st = r * ng + (g - w.g0);
-      write_state(a.out + tok * a.out_stride + g * d, t.tl[st], t.tacc + st * d, d);
+      write_state(a.out + tok * a.out_stride + g * d, l[st], acc + st * d, d);
     }
   }
 }
@@ -1157,8 +1169,12 @@ inline void attend_item(const AttnArgs<T>& a, const AttnItem& w, const AttnItem*
   const int64_t pb = partition_blocks(a.bs);
   const bool fetch = fetches_ahead(a, path, w.rows * (w.g1 - w.g0));
   start_tile(a, w, t, path);
+  bool folded = false;
   for (int64_t blk = sp.first_blk; blk < sp.end_blk; ++blk) {
-    if (blk > sp.first_blk && blk % pb == 0) fold_partition(t, w.rows * (w.g1 - w.g0), a.d);
+    if (blk > sp.first_blk && blk % pb == 0) {
+      fold_partition(t, w.rows * (w.g1 - w.g0), a.d, !folded);
+      folded = true;
+    }
     if (fetch) fetch_after(a, w, sp, blk, next);
     if (w.nkv > 1) {
       if (blk + 1 < sp.end_blk) fetch_pages(a.k_cache + tile_offset(a, w, blk + 1), w.nkv * a.bs * a.d);
@@ -1168,7 +1184,7 @@ inline void attend_item(const AttnArgs<T>& a, const AttnItem& w, const AttnItem*
     const BlockView b = BlockView::at(w.rows, w.g1 - w.g0, sp.first_pos, blk * a.bs, a);
     attend_tile_block(a, t, b, tile_offset(a, w, blk), path);
   }
-  finish_tile(a, w, t, partials);
+  finish_tile(a, w, t, folded, partials);
 }
 
 // The path of a call (see AttnPath). bfloat16 caches on CPUs with AVX-512 BF16: bfloat16 pair dot
@@ -1201,10 +1217,11 @@ inline void merge_partitions(const AttnArgs<T>& a, const std::vector<AttnItem>& 
       ++j;
     const int64_t tok = a.qsl[w.seq] + w.row0;
     for (int64_t g = 0; g < w.g1 - w.g0; ++g) {
-      float tm = -std::numeric_limits<float>::infinity(), tl = 0.f;
-      std::fill(tacc.begin(), tacc.end(), 0.f);
-      for (size_t k = i; k < j; ++k) {
-        const float* p = partials + partial_at(items[k].slot, a.hq, d) + g * (d + 2);
+      const float* p = partials + partial_at(items[i].slot, a.hq, d) + g * (d + 2);
+      float tm = p[d], tl = p[d + 1];
+      std::copy(p, p + d, tacc.begin());
+      for (size_t k = i + 1; k < j; ++k) {
+        p = partials + partial_at(items[k].slot, a.hq, d) + g * (d + 2);
         merge_state(tm, tl, tacc.data(), p[d], p[d + 1], p, d);
       }
       write_state(a.out + tok * a.out_stride + (w.g0 + g) * d, tl, tacc.data(), d);

@@ -303,14 +303,15 @@ TEST_P(VectorVsScalar, PagedAttentionAllDtypesBlockSizesGqa) {
   }
 }
 
-// Rows past one partition of keys (attention.hpp kPartitionKeys: 512), merged in order: two
+// Rows past one partition of keys (attention.hpp kPartitionKeys: 2,048), merged in order: two
 // decodes (split into an item a partition where the call has few items) and the last 40 rows of a
 // prompt, windows starting inside a partition.
 TEST_P(VectorVsScalar, PagedAttentionRowsOfSeveralPartitions) {
+  const std::vector<int32_t> q_lens = {1, 40, 1}, ctx = {4500, 2200, 2060};
   for (int64_t bs : {16, 128}) {
-    check_attention<float>(GetParam(), DType::F32, bs, 3, 1.f, 1.f, 64, {1, 40, 1}, {1300, 700, 530});
-    check_attention<bf16>(GetParam(), DType::BF16, bs, 3, 1.f, 1.f, 64, {1, 40, 1}, {1300, 700, 530});
-    check_attention<f8e5m2>(GetParam(), DType::F8E5M2, bs, 3, 0.5f, 2.f, 64, {1, 40, 1}, {1300, 700, 530});
+    check_attention<float>(GetParam(), DType::F32, bs, 3, 1.f, 1.f, 64, q_lens, ctx);
+    check_attention<bf16>(GetParam(), DType::BF16, bs, 3, 1.f, 1.f, 64, q_lens, ctx);
+    check_attention<f8e5m2>(GetParam(), DType::F8E5M2, bs, 3, 0.5f, 2.f, 64, q_lens, ctx);
   }
 }
 

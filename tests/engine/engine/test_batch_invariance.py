@@ -77,16 +77,16 @@ def test_prefix_cache_hits_are_counted(llm_f32, prompts):
 
 
 def test_same_tokens_past_one_attention_partition(llm_f32, tokenizer):
-    """Prompts of 530-1,100 tokens, past one attention partition (512 keys: kernels/attention.hpp
+    """Prompts of 2,100-2,600 tokens, past one attention partition (2,048 keys: kernels/attention.hpp
     kPartitionKeys). Decoded alone, a row's partitions are shared among the threads and merged after
     them; in a batch each row walks its partitions itself; chunked prefill and a preemption's
     recompute take the same positions as prefill rows: the same greedy tokens in every case."""
-    ids = tokenizer.encode(TEXT * 12)
-    prompts = [ids[s:s + n] for s, n in ((0, 530), (5, 800), (11, 1100))]  # no prefix shared
+    ids = tokenizer.encode(TEXT * 30)
+    prompts = [ids[s:s + n] for s, n in ((0, 2100), (5, 2300), (11, 2600))]  # no prefix shared
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     alone = [llm_f32.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in prompts]
     run = lambda llm: [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert run(llm_f32) == alone
-    small = LLM(dtype="float32", block_size=16, num_kv_blocks=85, max_num_batched_tokens=256)  # 34 + 50 blocks admitted
+    small = LLM(dtype="float32", block_size=16, num_kv_blocks=277, max_num_batched_tokens=512)  # 132 + 144 admitted
     assert run(small) == alone
     assert small.engine.scheduler.num_preemptions > 0

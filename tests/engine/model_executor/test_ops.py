@@ -369,14 +369,14 @@ def test_paged_attention_decode_whole_sequences_or_kv_heads(kern, dtype, block_s
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2])
 @pytest.mark.parametrize("block_size", [16, 128])
-@pytest.mark.parametrize("window", [0, 700])
+@pytest.mark.parametrize("window", [0, 3000])
 def test_paged_attention_rows_of_several_partitions(kern, dtype, block_size, window):
-    """Rows whose keys span several partitions (attention.hpp kPartitionKeys: 512 keys, each run
+    """Rows whose keys span several partitions (attention.hpp kPartitionKeys: 2,048 keys, each run
     through its own online softmax and merged in order): three decode rows split into an item a
     partition on sixteen threads, walked whole on one, give the same bits, and so does each
     position as the last row of a prefill chunk; the reference's values. Windows start inside a
-    partition; 513 keys leave one in the last."""
-    ctx = [1300, 700, 513]
+    partition; 2,049 keys leave one in the last."""
+    ctx = [4500, 2200, 2049]
     q, kc, vc, tables, seq_lens, qsl, hq = _attention_case(dtype, block_size, 3, 64, [1] * 3, ctx, 11)
     run = lambda q, seq_lens, qsl: ops.paged_attention(q, kc, vc, tables[:len(seq_lens)], seq_lens, qsl, hq, 0.125,
                                                        window, k=kern)

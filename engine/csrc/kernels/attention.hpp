@@ -1053,8 +1053,8 @@ inline void start_tile(const AttnArgs<T>& a, const AttnItem& w, const TileScratc
 }
 
 // Where in the call's partials a partition item (a decode row's, part >= 0) leaves its states:
-// per head acc [d], m and l.
-inline int64_t partial_at(int64_t slot, int64_t group, int64_t d) { return slot * group * (d + 2); }
+// per head acc [d], m and l, a slot holding up to `heads` (the call's query heads).
+inline int64_t partial_at(int64_t slot, int64_t heads, int64_t d) { return slot * heads * (d + 2); }
 
 // A work item's end: each (row, head)'s accumulator over its sum into the output, its last
 // partition merged into its total first where the item crossed a partition's end (`folded`); a

@@ -12,9 +12,9 @@
 // A row's keys run in partitions of kPartitionKeys (whole blocks, counted from key 0): each
 // partition's online softmax starts afresh and is merged into the row's total in order
 // (merge_state), the way flash-decoding splits a long context. An item walking all of a row's
-// blocks merges at each partition's end; a decode row of a call with few items is split into one
-// item a partition, the threads sharing its context, and its partitions merged after them in the
-// same order with the same arithmetic: the same bits either way.
+// blocks merges at each partition's end; a decode row is split into one item a partition where
+// the threads finish sooner that way (attention_items), sharing its context, and its partitions
+// merged after them in the same order with the same arithmetic: the same bits either way.
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -31,6 +31,7 @@
 #include "cache.hpp"
 #include "line_vector.hpp"
 #include "prefetch.hpp"
+#include "shares.hpp"
 
 namespace cpuserve {
 namespace {
@@ -467,16 +468,52 @@ inline bool whole_sequences(const AttnArgs<T>& a, AttnPath path, int64_t threads
   return whole * 8 <= split * 9;
 }
 
-// Whether a call's decode rows of more than one partition take an item a partition: where its
-// items are fewer than the threads, or too few to share evenly (3 kv heads' items on 2 threads: one
-// thread read two, the other one). Bits are the same either way (merge_state, in partition order);
-// only the time differs. Float32 decode attention, SmolLM2's 3 kv heads, 30 layers' caches from
-// memory (AMD EPYC Zen 4, 2 threads, the builds taking turns by process, medians of 5): one
-// sequence of 7,500 tokens 13.7-15.8 -> 11.5-11.9 ms (22-25 -> 29-30 GB/s), of 3,000 5.8-6.2 ->
-// 4.7-5.3; two of 7,500 and four of 3,750 (whole-sequence items, not split) level. Splitting those
-// too (two of 7,500 as an item a 512-key partition) took 1.06x their time.
-inline bool split_by_partition(int64_t items, int64_t threads) {
-  return threads > 1 && (items < threads || (items % threads != 0 && items < 4 * threads));
+// Where an item's rows sit and which cache blocks they read.
+struct ItemSpan {
+  int64_t first_pos, last_pos;   // first row's and last row's positions
+  int64_t first_blk, end_blk;    // the blocks read: [first_blk, end_blk), one partition's of a partition item
+  template <typename T>
+  static ItemSpan of(const AttnArgs<T>& a, const AttnItem& w) {
+    const int64_t q_len = a.qsl[w.seq + 1] - a.qsl[w.seq];
+    const int64_t first_pos = a.seq_lens[w.seq] - q_len + w.row0, last_pos = first_pos + w.rows - 1;
+    const int64_t lo_key = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) : 0;
+    ItemSpan sp{first_pos, last_pos, lo_key / a.bs, last_pos / a.bs + 1};
+    if (w.part >= 0) {
+      const int64_t pb = partition_blocks(a.bs);
+      sp.first_blk = std::max<int64_t>(sp.first_blk, w.part * pb);
+      sp.end_blk = std::min<int64_t>(sp.end_blk, (w.part + 1) * pb);
+    }
+    return sp;
+  }
+};
+
+// An item's time relative to the others', for choosing how a call is cut (attention_items), in
+// units of one key of one kv head read for one decode row by a whole-sequence item, the cache in
+// memory (a thread's 27 ns in float32, 19 in bfloat16: one sequence's decode at 7,500 tokens, AMD
+// EPYC Zen 4). Reads: keys x kv heads, 1.45x on an item a kv head (a tile at a time: two decodes of
+// 7,500 tokens, 30 layers' caches in turn, 27.0 against 18.2 ms; nine of 3,000 48.6 against 34.5),
+// and (1 + n) / (1 + group) of that for n of a group's query heads (split_decode_heads). Arithmetic:
+// 0.1 a key, row and query head (a 2,048-token prefill's attention: 2.7 ns a thread in float32, 1.6
+// in bfloat16), where that is more. Every item 64 keys a kv head more: long sequences sharing the
+// threads evenly took 1.01-1.03x the time cut into partitions. The middle row's keys stand for the
+// rows'.
+template <typename T>
+inline double item_cost(const AttnArgs<T>& a, const AttnItem& w) {
+  const ItemSpan sp = ItemSpan::of(a, w);
+  const int64_t mid = (sp.first_pos + sp.last_pos) / 2;
+  const int64_t lo = std::max(a.window > 0 ? mid - a.window + 1 : 0, sp.first_blk * a.bs);
+  const double keys = static_cast<double>(std::max<int64_t>(0, std::min(mid + 1, sp.end_blk * a.bs) - lo));
+  const int64_t heads = w.g1 - w.g0;
+  const double reads = w.nkv > 1 ? w.nkv : 1.45 * static_cast<double>(1 + heads) / static_cast<double>(1 + a.group);
+  return (keys + 64.0) * std::max(reads, 0.1 * static_cast<double>(w.rows * heads));
+}
+
+// The first and the last partition of the keys that sequence s's last row reads.
+template <typename T>
+inline std::pair<int32_t, int32_t> last_row_partitions(const AttnArgs<T>& a, int64_t s) {
+  const int64_t pos = a.seq_lens[s] - 1, keys = partition_blocks(a.bs) * a.bs;
+  const int64_t lo_key = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
+  return {static_cast<int32_t>(lo_key / keys), static_cast<int32_t>(pos / keys)};
 }
 
 // Sequence s's decode row as one item a partition of its keys, each with its own partial slot
@@ -485,9 +522,7 @@ inline bool split_by_partition(int64_t items, int64_t threads) {
 template <typename T>
 inline bool add_partition_items(const AttnArgs<T>& a, int32_t s, bool whole, std::vector<AttnItem>& items,
                                 int32_t& slots) {
-  const int64_t pos = a.seq_lens[s] - 1, pb = partition_blocks(a.bs);
-  const int64_t lo_key = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
-  const int32_t p0 = static_cast<int32_t>(lo_key / a.bs / pb), p1 = static_cast<int32_t>(pos / a.bs / pb);
+  const auto [p0, p1] = last_row_partitions(a, s);
   if (p1 == p0) return false;
   if (whole) {
     for (int32_t p = p0; p <= p1; ++p)
@@ -503,32 +538,30 @@ inline bool add_partition_items(const AttnArgs<T>& a, int32_t s, bool whole, std
   return true;
 }
 
-// The work list, rebuilt per call in storage reused across calls (no allocation once warm).
-// Local query head i attends with kv head (i + q_off) / group: with q_off = 0 and
-// hq = hk * group this is plain GQA; a tensor-parallel rank holding part of a
-// group passes where its first query head sits inside its first kv head's group.
+// Whether sequence s's decode row reads keys of more than one partition.
 template <typename T>
-inline const std::vector<AttnItem>& attention_items(const AttnArgs<T>& a, AttnPath path, int32_t& slots) {
-  int64_t group_items = 0;
-  for (int64_t s = 0; s < a.num_seqs; ++s) group_items += (a.qsl[s + 1] - a.qsl[s] + kQTile - 1) / kQTile * a.hk;
-  const int64_t threads = omp_get_max_threads();
-  const bool split_heads = split_decode_heads(group_items, a.group, threads);
-  const bool whole_seqs = !split_heads && whole_sequences(a, path, threads);
-  int64_t decodes = 0;
-  for (int64_t s = 0; s < a.num_seqs; ++s) decodes += a.qsl[s + 1] - a.qsl[s] == 1;
-  // the items of the call as it would be cut without partition items
-  const int64_t per_decode = split_heads ? a.hq : whole_seqs ? 1 : a.hk;
-  const int64_t unsplit = group_items - decodes * a.hk + decodes * per_decode;
-  const bool by_partition = decodes > 0 && split_by_partition(unsplit, threads);
-  const bool whole_parts = whole_sequence_items(a, path);
-  static thread_local std::vector<AttnItem> items;
+inline bool spans_partitions(const AttnArgs<T>& a, int64_t s) {
+  if (a.qsl[s + 1] - a.qsl[s] != 1) return false;
+  const auto [p0, p1] = last_row_partitions(a, s);
+  return p0 != p1;
+}
+
+// How a call's rows are cut into items: its decode rows one item a query head (split_heads), a
+// sequence (whole_seqs) or else a kv head, those of more than one partition an item a partition
+// (by_partition: a sequence's or else a kv head's, as whole_parts), prefill rows a kQTile of rows
+// a kv head.
+struct AttnCut { bool split_heads, whole_seqs, by_partition, whole_parts; };
+
+// The work list of cut c into items, slots counting the partition items' partial states.
+template <typename T>
+inline void cut_items(const AttnArgs<T>& a, AttnCut c, std::vector<AttnItem>& items, int32_t& slots) {
   items.clear();
   slots = 0;
   for (int64_t s = 0; s < a.num_seqs; ++s) {
     const int32_t q_len = a.qsl[s + 1] - a.qsl[s];
-    if (q_len == 1 && by_partition && add_partition_items(a, static_cast<int32_t>(s), whole_parts, items, slots))
+    if (q_len == 1 && c.by_partition && add_partition_items(a, static_cast<int32_t>(s), c.whole_parts, items, slots))
       continue;
-    if (q_len == 1 && whole_seqs) {
+    if (q_len == 1 && c.whole_seqs) {
       items.push_back({static_cast<int32_t>(s), 0, 0, 1, 0, static_cast<int32_t>(a.hq), static_cast<int32_t>(a.hk)});
       continue;
     }
@@ -539,12 +572,59 @@ inline const std::vector<AttnItem>& attention_items(const AttnArgs<T>& a, AttnPa
         const int32_t ga = static_cast<int32_t>(std::max<int64_t>(0, h * a.group - a.q_off));
         const int32_t gb = static_cast<int32_t>(std::min<int64_t>(a.hq, (h + 1) * a.group - a.q_off));
         if (ga >= gb) continue;
-        if (q_len == 1 && split_heads) {
+        if (q_len == 1 && c.split_heads) {
           for (int32_t g = ga; g < gb; ++g) items.push_back({static_cast<int32_t>(s), h, r, rows, g, g + 1});
         } else {
           items.push_back({static_cast<int32_t>(s), h, r, rows, ga, gb});
         }
       }
+  }
+}
+
+// When the threads, claiming items in order, finish a call's items (shares.hpp claimed_finish,
+// item_cost's units).
+template <typename T>
+inline double items_finish(const AttnArgs<T>& a, const std::vector<AttnItem>& items, int64_t threads) {
+  return claimed_finish(static_cast<int64_t>(items.size()), threads,
+                        [&](int64_t i) { return item_cost(a, items[static_cast<size_t>(i)]); });
+}
+
+// The work list, rebuilt per call in storage reused across calls (no allocation once warm).
+// Local query head i attends with kv head (i + q_off) / group: with q_off = 0 and
+// hq = hk * group this is plain GQA; a tensor-parallel rank holding part of a
+// group passes where its first query head sits inside its first kv head's group.
+// Decode rows of more than one partition take an item a partition (flash-decoding) where the
+// threads, claiming items in order, finish sooner that way by item_cost: a long sequence beside
+// short ones, or too few sequences for the threads. Bits are the same either way (merge_state, in
+// partition order); only the time differs. Float32 decode attention, SmolLM2's 3 kv heads, 30
+// layers' caches from memory (AMD EPYC Zen 4, 2 threads, the cuts taking turns in one process,
+// medians of 7), against the rule before (split where the items were fewer than the threads or
+// too few to share evenly): sequences of 7,500 and 200 tokens 16.6 -> 9.7 ms, 7,500 and 3 x 200
+// 16.6 -> 10.0, 3 x 3,000 16.8 -> 11.8, 9 x 3,000 34.7 -> 32.4; a 256-token prompt's chunk then a
+// decode at 7,500 (8 layers) 13.8 -> 11.9; one of 7,500 9.7 either way. Evenly shared ones stay
+// whole (16 x 2,500, 32 x 2,100 and 8 x 4,100 took 1.01-1.03x the time cut into partitions).
+// Through the engine, the default Q4_1 model's decode steps of a 6,500-token sequence beside a
+// 20-token one: 18.5-19.3 -> 15.4-15.6 ms (the builds taking turns by process, medians of 80).
+template <typename T>
+inline const std::vector<AttnItem>& attention_items(const AttnArgs<T>& a, AttnPath path, int32_t& slots) {
+  int64_t group_items = 0, spanning = 0;
+  for (int64_t s = 0; s < a.num_seqs; ++s) {
+    group_items += (a.qsl[s + 1] - a.qsl[s] + kQTile - 1) / kQTile * a.hk;
+    spanning += spans_partitions(a, s);
+  }
+  const int64_t threads = omp_get_max_threads();
+  AttnCut cut{split_decode_heads(group_items, a.group, threads), false, false, whole_sequence_items(a, path)};
+  cut.whole_seqs = !cut.split_heads && whole_sequences(a, path, threads);
+  static thread_local std::vector<AttnItem> items, parts;
+  cut_items(a, cut, items, slots);
+  if (threads > 1 && spanning > 0) {
+    int32_t part_slots = 0;
+    cut.by_partition = true;
+    cut_items(a, cut, parts, part_slots);
+    if (items_finish(a, parts, threads) < items_finish(a, items, threads)) {
+      items.swap(parts);
+      slots = part_slots;
+    }
   }
   return items;
 }
@@ -1082,25 +1162,6 @@ inline void finish_tile(const AttnArgs<T>& a, const AttnItem& w, const TileScrat
     }
   }
 }
-
-// Where an item's rows sit and which cache blocks they read.
-struct ItemSpan {
-  int64_t first_pos, last_pos;   // first row's and last row's positions
-  int64_t first_blk, end_blk;    // the blocks read: [first_blk, end_blk), one partition's of a partition item
-  template <typename T>
-  static ItemSpan of(const AttnArgs<T>& a, const AttnItem& w) {
-    const int64_t q_len = a.qsl[w.seq + 1] - a.qsl[w.seq];
-    const int64_t first_pos = a.seq_lens[w.seq] - q_len + w.row0, last_pos = first_pos + w.rows - 1;
-    const int64_t lo_key = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) : 0;
-    ItemSpan sp{first_pos, last_pos, lo_key / a.bs, last_pos / a.bs + 1};
-    if (w.part >= 0) {
-      const int64_t pb = partition_blocks(a.bs);
-      sp.first_blk = std::max<int64_t>(sp.first_blk, w.part * pb);
-      sp.end_blk = std::min<int64_t>(sp.end_blk, (w.part + 1) * pb);
-    }
-    return sp;
-  }
-};
 
 // Where item w's kv head's key (and value) tile of its sequence's block blk starts, in elements.
 template <typename T>

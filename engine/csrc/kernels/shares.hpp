@@ -21,7 +21,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <vector>
 #include <omp.h>
 
 namespace cpuserve {
@@ -109,6 +111,24 @@ inline void share_tiles(int64_t m_tiles, int64_t panels, int64_t chunk, bool par
       lo = end;
     }
   });
+}
+
+// When `threads` threads finish n items of the given costs, each thread taking the list's next item
+// as soon as it is free (an atomic counter, as paged attention claims its items): the finish of
+// the last, in the costs' units. The list is taken in order, so its order matters: one long item
+// last leaves the other threads idle while it runs.
+template <typename Cost>
+inline double claimed_finish(int64_t n, int64_t threads, Cost&& cost) {
+  static thread_local std::vector<double> free_at;  // a min-heap of the threads' next free times
+  free_at.assign(static_cast<size_t>(std::max<int64_t>(threads, 1)), 0.0);
+  double last = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    std::pop_heap(free_at.begin(), free_at.end(), std::greater<>());
+    free_at.back() += cost(i);
+    last = std::max(last, free_at.back());
+    std::push_heap(free_at.begin(), free_at.end(), std::greater<>());
+  }
+  return last;
 }
 
 }  // namespace

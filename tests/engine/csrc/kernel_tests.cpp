@@ -382,6 +382,22 @@ TEST(Shares, EveryItemOnceSlowThreadHelpedMissingThreadsCovered) {
   EXPECT_EQ(got, (std::vector<std::pair<int64_t, int64_t>>{{0, 2}, {2, 4}, {6, 8}, {4, 6}, {8, 10}}));
 }
 
+// Items claimed in order by whichever thread is free first (shares.hpp claimed_finish, the model
+// paged attention cuts its calls by): a long item last waits for the others, first it overlaps
+// them; one thread runs them all; more threads than items finish with the longest.
+TEST(Shares, ClaimedFinishListSchedulingInOrder) {
+  const auto finish = [](std::vector<double> costs, int64_t threads) {
+    return claimed_finish(static_cast<int64_t>(costs.size()), threads, [&](int64_t i) { return costs[i]; });
+  };
+  EXPECT_EQ(finish({1, 1, 1, 3}, 2), 4);  // the 3 starts at 1, when both threads' first items end
+  EXPECT_EQ(finish({3, 1, 1, 1}, 2), 3);  // the 1s run beside it
+  EXPECT_EQ(finish({1, 1, 1, 1, 1}, 2), 3);
+  EXPECT_EQ(finish({2, 5, 1}, 1), 8);
+  EXPECT_EQ(finish({2, 5, 1}, 8), 5);
+  EXPECT_EQ(finish({}, 4), 0);
+  EXPECT_EQ(finish({4, 1, 1, 1, 1, 1, 1}, 3), 4);
+}
+
 // The GEMMs' bits do not depend on the thread count or on which thread takes which panels
 // (shares.hpp): 1, 2, 3 and 5 threads give the same output, one pass (decode) or row tiles.
 TEST(Gemm, SameBitsAnyThreadCountEveryTable) {

@@ -395,6 +395,28 @@ def test_paged_attention_rows_of_several_partitions(kern, dtype, block_size, win
     torch.testing.assert_close(outs[0], want, rtol=2e-5, atol=2e-5 + prob)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("order", ["long first", "long last"])
+def test_paged_attention_long_decode_beside_short_rows(kern, dtype, order):
+    """A decode past one partition beside short decodes and a prompt chunk: cut into an item a
+    partition where the threads would finish sooner that way (attention.hpp attention_items: on 2
+    and 3 threads here), walked whole on one, the same bits, and each sequence's rows alone too;
+    the reference's values."""
+    q_lens, ctx = [1, 1, 40, 1], [4500, 200, 300, 120]
+    if order == "long last":
+        q_lens, ctx = q_lens[::-1], ctx[::-1]
+    q, kc, vc, tables, seq_lens, qsl, hq = _attention_case(dtype, 128, 3, 64, q_lens, ctx, 12)
+    outs = _on_threads((1, 2, 3), lambda: ops.paged_attention(q, kc, vc, tables, seq_lens, qsl, hq, 0.125, k=kern))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    for i in range(len(ctx)):
+        rows = slice(int(qsl[i]), int(qsl[i + 1]))
+        one = torch.tensor([0, q_lens[i]], dtype=torch.int32)
+        alone = _on_threads((2,), lambda: ops.paged_attention(q[rows], kc, vc, tables[i:i + 1], seq_lens[i:i + 1], one,
+                                                              hq, 0.125, k=kern))[0]
+        assert torch.equal(alone, outs[0][rows]), f"sequence {i}"
+    _assert_reference_decode(kern, dtype, outs[0], q, kc, vc, tables, seq_lens, qsl, hq)
+
+
 @pytest.mark.parametrize("dtype", STORAGE)
 # 1-8 rows run in one pass over the weights (gemm.hpp kPassRows); K = 4,200: K blocks (gemm.hpp
 # k_block) where the L2 is at most 2 MiB (float32), 1 MiB (bfloat16); bfloat16 pairs on vdpbf16ps take

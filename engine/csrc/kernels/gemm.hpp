@@ -306,6 +306,20 @@ inline void micro_tile(int mr, const TA* a, int64_t lda, const T* b, int64_t pan
   micro_kernel<R, 1>(a, lda, b, panel_stride, kc, c, ldc, first, cols, pf);
 }
 
+// The fewest rows of a decode pass (micro_rows) that fetch the next panel's chunk into L2 while
+// they multiply this one's: more than kMR (8 rows from memory: 20.2 -> 18.0 ms float32, 11.0 -> 8.8
+// bfloat16), and 4 over AVX2's bfloat16 pairs, whose widening in registers holds each weight line
+// long enough for the prefetchers to fall behind from 4 rows. The default model's 120 layer GEMMs,
+// weights from memory, under CPUSERVE_ISA=avx2 (AMD EPYC Zen 4, the builds taking turns by process,
+// 3 rounds of 7): bfloat16 4 rows 8.0-8.9 -> 6.8-8.5 ms, 5 rows 9.9-10.1 -> 7.6-8.5, 6 rows
+// 12.4-12.7 -> 8.4-9.2; from the L3 (one layer's) level; `cpuserve bench` 4 / 5 / 6 sequences
+// 321-344 -> 369-391, 309 -> 357, 322-326 -> 466-472 tok/s. Fewer rows, and these row counts
+// elsewhere, are left to the hardware: AVX2's bfloat16 3 rows level or slower with the fetch, its
+// float32 5 and 6 rows 1.10-1.30x the time, AVX-512's bfloat16 1.03-1.16x; 3 rows of float32 cost
+// 20% on cached weights and gained nothing from memory.
+template <typename T>
+constexpr int kPassFetchRows = std::is_same_v<T, bf16p> ? 4 : kMR + 1;
+
 // Runs rows [r, r + mr) against panels [p, p1): as many panels at once as the
 // register budget allows for this mr. Returns nothing; covers the whole range.
 template <typename T, typename TA = AOf<T>>
@@ -327,12 +341,10 @@ inline void micro_rows(int mr, const TA* a, int64_t lda, const T* w, int64_t k, 
       p += 2;
       continue;
     }
-    // A pass of more than kMR rows spends long enough on each weight line for the hardware
-    // prefetchers to fall behind (8 rows from memory: 20.2 -> 18.0 ms float32, 11.0 -> 8.8
-    // bfloat16): the next panel's chunk is fetched into L2 along the way. Fewer rows are left to
-    // them (prefetching cost 3 rows 20% on cached weights and gained nothing from memory).
+    // A pass of kPassFetchRows rows or more spends long enough on each weight line for the
+    // hardware prefetchers to fall behind: the next panel's chunk is fetched into L2 along the way.
     const int64_t chunk = kc * kNR * static_cast<int64_t>(sizeof(T));
-    const Prefetch next = mr > kMR && p + 1 < p1 ? Prefetch::bytes(bp + ps, chunk) : pf;
+    const Prefetch next = mr >= kPassFetchRows<T> && p + 1 < p1 ? Prefetch::bytes(bp + ps, chunk) : pf;
     micro_tile<kTileMax<T>>(mr, a, lda, bp, ps, kc, cp, ldc, first, cols, next);
     ++p;
   }

@@ -123,7 +123,11 @@ inline int64_t tile_rows(int64_t rows) {
 // the bytes). The default model's 120 layer GEMMs, AMD EPYC Zen 3, two builds taking turns,
 // medians: 1 row from L3 8.25 -> 6.52 ms (with the decode micro-kernel's order below), 16 rows
 // 38.7 -> 33.8, 64 rows 146 -> 132; from memory 1 row unchanged (17.6 / 17.1, bandwidth-bound in
-// minutes of 15-22 GB/s). The same chains: the same bits.
+// minutes of 15-22 GB/s). AVX-512 without BF16 (the avx512 and avx512_vnni tables, e.g. Intel Xeons
+// before Cooper Lake) the same way, 64 bytes giving two vectors of 16: under CPUSERVE_ISA=avx512 on
+// the AMD EPYC Zen 4 VM, weights from memory, the builds taking turns by process, 64 rows 73.9-78.4
+// -> 64.2-68.3 ms, 512 rows 599-616 -> 516-534, 16 rows 18.5 -> 17.1, 6 rows 8.4-8.8 -> 7.9-8.1, 1
+// row level. The same chains: the same bits.
 constexpr bool widened_pairs(int64_t k) { return WidensPairs<VecF>::value && !kBf16Pairs && k % 2 == 0; }
 
 // gemm(a as float pairs, w as bf16p, k / 2, the pairs' row stride) where this ISA widens pairs and K
@@ -308,17 +312,18 @@ inline void micro_tile(int mr, const TA* a, int64_t lda, const T* b, int64_t pan
 
 // The fewest rows of a decode pass (micro_rows) that fetch the next panel's chunk into L2 while
 // they multiply this one's: more than kMR (8 rows from memory: 20.2 -> 18.0 ms float32, 11.0 -> 8.8
-// bfloat16), and 4 over AVX2's bfloat16 pairs, whose widening in registers holds each weight line
-// long enough for the prefetchers to fall behind from 4 rows. The default model's 120 layer GEMMs,
-// weights from memory, under CPUSERVE_ISA=avx2 (AMD EPYC Zen 4, the builds taking turns by process,
-// 3 rounds of 7): bfloat16 4 rows 8.0-8.9 -> 6.8-8.5 ms, 5 rows 9.9-10.1 -> 7.6-8.5, 6 rows
-// 12.4-12.7 -> 8.4-9.2; from the L3 (one layer's) level; `cpuserve bench` 4 / 5 / 6 sequences
-// 321-344 -> 369-391, 309 -> 357, 322-326 -> 466-472 tok/s. Fewer rows, and these row counts
-// elsewhere, are left to the hardware: AVX2's bfloat16 3 rows level or slower with the fetch, its
-// float32 5 and 6 rows 1.10-1.30x the time, AVX-512's bfloat16 1.03-1.16x; 3 rows of float32 cost
-// 20% on cached weights and gained nothing from memory.
+// bfloat16), and over bfloat16 pairs widened in registers 4 on AVX2, 5 on AVX-512: the widening
+// holds each weight line long enough for the prefetchers to fall behind. The default model's 120
+// layer GEMMs, weights from memory (AMD EPYC Zen 4, the builds taking turns by process, 3 rounds of
+// 7): under CPUSERVE_ISA=avx2 4 rows 8.0-8.9 -> 6.8-8.5 ms, 5 rows 9.9-10.1 -> 7.6-8.5, 6 rows
+// 12.4-12.7 -> 8.4-9.2, from the L3 (one layer's) level, `cpuserve bench` 4 / 5 / 6 sequences
+// 321-344 -> 369-391, 309 -> 357, 322-326 -> 466-472 tok/s; under CPUSERVE_ISA=avx512 5 and 6 rows
+// 0.92-0.98x the time, 4 rows level or slower. Fewer rows, and these row counts elsewhere, are
+// left to the hardware: AVX2's bfloat16 3 rows level or slower with the fetch, its float32 5 and 6
+// rows 1.10-1.30x the time, AVX-512 BF16's pairs 1.03-1.16x; 3 rows of float32 cost 20% on cached
+// weights and gained nothing from memory.
 template <typename T>
-constexpr int kPassFetchRows = std::is_same_v<T, bf16p> ? 4 : kMR + 1;
+constexpr int kPassFetchRows = std::is_same_v<T, bf16p> ? (VecF::kRegs < 32 ? 4 : 5) : kMR + 1;
 
 // Runs rows [r, r + mr) against panels [p, p1): as many panels at once as the
 // register budget allows for this mr. Returns nothing; covers the whole range.

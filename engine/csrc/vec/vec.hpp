@@ -35,7 +35,7 @@ template <typename T>
 using AOf = std::conditional_t<std::is_same_v<T, bf16x2>, bf16x2, std::conditional_t<std::is_same_v<T, bf16p>, f32x2, float>>;
 
 // Whether this ISA's VecF widens bfloat16 weight pairs (VecF::widen_pair): its GEMMs then pack
-// bfloat16 weights as pairs without rounding the activations (AVX2, where it was measured).
+// bfloat16 weights as pairs without rounding the activations (AVX2, and AVX-512 without BF16).
 template <typename V, typename = void> struct WidensPairs : std::false_type {};
 template <typename V>
 struct WidensPairs<V, std::void_t<decltype(V::widen_pair(static_cast<const bf16p*>(nullptr), 0))>> : std::true_type {};

@@ -54,6 +54,13 @@ struct VecF {
     const __m512i x = _mm512_loadu_si512(p);
     return {_mm512_castsi512_ps(h == 0 ? _mm512_slli_epi32(x, 16) : _mm512_and_si512(x, _mm512_set1_epi32(-65536)))};
   }
+#ifndef __AVX512BF16__
+  // Lanes i of bfloat16 pairs p[0, N): their low halves (h = 0: k) or high halves (h = 1: k + 1) as
+  // float32, one shift or one mask where load(const bf16*) takes a zero-extension and a shift. The
+  // tables without AVX-512 BF16 pack bfloat16 weights as such pairs (gemm.hpp widened_pairs), as
+  // AVX2 does; with it they are multiplied as pairs by vdpbf16ps.
+  static VecF widen_pair(const bf16p* p, int h) { return widen_half(reinterpret_cast<const bf16x2*>(p), h); }
+#endif
   static VecF load(const f16* p) {
     return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
   }

@@ -412,6 +412,8 @@ inline void accumulate_values(float* acc, const AOf<typename Src::Elem>* p, int6
 struct AttnShape {
   int64_t d, bs, window;
   float scale, softcap;
+  // the first key a row at position pos sees (a sliding window's, else key 0)
+  int64_t first_key(int64_t pos) const { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
 };
 template <typename T> struct AttnArgs : AttnShape {
   float* out;
@@ -476,8 +478,7 @@ struct ItemSpan {
   static ItemSpan of(const AttnArgs<T>& a, const AttnItem& w) {
     const int64_t q_len = a.qsl[w.seq + 1] - a.qsl[w.seq];
     const int64_t first_pos = a.seq_lens[w.seq] - q_len + w.row0, last_pos = first_pos + w.rows - 1;
-    const int64_t lo_key = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) : 0;
-    ItemSpan sp{first_pos, last_pos, lo_key / a.bs, last_pos / a.bs + 1};
+    ItemSpan sp{first_pos, last_pos, a.first_key(first_pos) / a.bs, last_pos / a.bs + 1};
     if (w.part >= 0) {
       const int64_t pb = partition_blocks(a.bs);
       sp.first_blk = std::max<int64_t>(sp.first_blk, w.part * pb);
@@ -501,7 +502,7 @@ template <typename T>
 inline double item_cost(const AttnArgs<T>& a, const AttnItem& w) {
   const ItemSpan sp = ItemSpan::of(a, w);
   const int64_t mid = (sp.first_pos + sp.last_pos) / 2;
-  const int64_t lo = std::max(a.window > 0 ? mid - a.window + 1 : 0, sp.first_blk * a.bs);
+  const int64_t lo = std::max(a.first_key(mid), sp.first_blk * a.bs);
   const double keys = static_cast<double>(std::max<int64_t>(0, std::min(mid + 1, sp.end_blk * a.bs) - lo));
   const int64_t heads = w.g1 - w.g0;
   const double reads = w.nkv > 1 ? w.nkv : 1.45 * static_cast<double>(1 + heads) / static_cast<double>(1 + a.group);
@@ -512,8 +513,7 @@ inline double item_cost(const AttnArgs<T>& a, const AttnItem& w) {
 template <typename T>
 inline std::pair<int32_t, int32_t> last_row_partitions(const AttnArgs<T>& a, int64_t s) {
   const int64_t pos = a.seq_lens[s] - 1, keys = partition_blocks(a.bs) * a.bs;
-  const int64_t lo_key = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
-  return {static_cast<int32_t>(lo_key / keys), static_cast<int32_t>(pos / keys)};
+  return {static_cast<int32_t>(a.first_key(pos) / keys), static_cast<int32_t>(pos / keys)};
 }
 
 // Sequence s's decode row as one item a partition of its keys, each with its own partial slot
@@ -718,7 +718,7 @@ struct BlockView {
   static BlockView at(int64_t rows, int64_t ng, int64_t first_pos, int64_t base, const AttnShape& s) {
     const int64_t last_pos = first_pos + rows - 1;
     BlockView b{rows, ng, first_pos, base, 0, 0, 0, 0, false};
-    b.blk_lo = std::max<int64_t>(base, s.window > 0 ? first_pos - s.window + 1 : 0) - base;
+    b.blk_lo = std::max<int64_t>(base, s.first_key(first_pos)) - base;
     b.blk_hi = std::min<int64_t>(base + s.bs - 1, last_pos) - base;
     b.c_lo = b.blk_lo / VecF::N;
     b.c_hi = b.blk_hi / VecF::N;
@@ -728,7 +728,7 @@ struct BlockView {
   // keys [lo, hi] that row r sees, relative to base (lo > hi: none)
   std::pair<int64_t, int64_t> row_keys(int64_t r, const AttnShape& s) const {
     const int64_t pos = first_pos + r;
-    return {std::max<int64_t>(base, s.window > 0 ? pos - s.window + 1 : 0) - base,
+    return {std::max<int64_t>(base, s.first_key(pos)) - base,
             std::min<int64_t>(base + s.bs - 1, pos) - base};
   }
 };

@@ -41,6 +41,13 @@ class SpecError(ValueError):
         self.param = param
 
 
+def schema_text(schema) -> str:
+    """A JSON schema as the grammar engine's text, its keys in the order the client wrote them: the
+    grammar generates an object's properties in its schema's order (as xgrammar and llguidance do
+    for vLLM), so that a schema listing `reasoning` before `answer` gets the reasoning first."""
+    return json.dumps(schema, separators=(",", ":"))
+
+
 def _schema_text(schema, param: str) -> str:
     if isinstance(schema, str):
         try:
@@ -49,7 +56,7 @@ def _schema_text(schema, param: str) -> str:
             raise SpecError(f"{param} is not valid JSON: {e}", param) from None
     if not isinstance(schema, (dict, bool)):
         raise SpecError(f"{param} must be a JSON schema (an object), got {type(schema).__name__}", param)
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    return schema_text(schema)
 
 
 def _checked(spec: GrammarSpec, param: str) -> GrammarSpec:

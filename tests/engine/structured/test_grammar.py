@@ -9,7 +9,7 @@ import torch
 from cpuserve import SamplingParams
 from cpuserve.core.sequence import Sequence
 from cpuserve.structured import grammar
-from cpuserve.structured.spec import GrammarSpec
+from cpuserve.structured.spec import GrammarSpec, from_fields
 from cpuserve.worker.sampler import Sampler
 
 pytestmark = pytest.mark.skipif(not grammar.available(), reason=grammar.UNAVAILABLE)
@@ -30,6 +30,18 @@ def test_mask_is_the_set_of_tokens_that_keep_the_parse_alive(compiler, tokenizer
     assert set(torch.nonzero(allowed).flatten().tolist()) == want
     assert {tokenizer.decode([t]) for t in want} >= {"yes", "no"}
     assert all(any(c.startswith(tokenizer.decode([t])) for c in ("yes", "no", "maybe")) for t in want)
+
+
+def test_json_properties_come_in_the_schemas_order(compiler, tokenizer):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    spec = from_fields(guided_json=schema)
+
+    def accepted(text):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return compiler.matcher(spec).try_consume_tokens(ids) == len(ids)
+    assert accepted('{"name": "Ann", "age": 31}')
+    assert not accepted('{"age": 31, "name": "Ann"}')
 
 
 def test_constrained_row_only_samples_allowed_tokens_and_the_grammar_wins(compiler, tokenizer):

@@ -21,7 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cpuserve.structured.spec import GrammarSpec
+from cpuserve.structured.spec import GrammarSpec, schema_text
 
 PARSERS = ("hermes", "llama3_json")
 
@@ -102,7 +102,7 @@ def constraint(tools: list[ToolDef] | None, mode: str, parallel: bool = True) ->
             schema["maxItems"] = 1
     else:
         return None
-    return GrammarSpec("json", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+    return GrammarSpec("json", schema_text(schema))
 
 
 def parse_enforced(mode: str, text: str) -> list[ToolCall]:

@@ -45,6 +45,7 @@ def test_json_schema_streamed_equals_whole_and_validates(client):
     assert streamed == whole.message.content
     assert chunks[-1].choices[0].finish_reason == whole.finish_reason == "stop"
     jsonschema.validate(json.loads(streamed), PERSON)
+    assert list(json.loads(streamed)) == ["name", "age"]  # the schema's order, not the keys sorted
 
 
 def test_json_object_with_n_sampled(client):

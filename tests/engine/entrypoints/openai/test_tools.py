@@ -50,6 +50,15 @@ def test_required_schema_accepts_calls_of_the_tools_and_nothing_else():
     assert tl.constraint([WEATHER], "auto") is None and tl.constraint([WEATHER], "none") is None
 
 
+def test_constraints_keep_the_parameters_property_order():
+    params = {"type": "object", "properties": {"unit": {"type": "string"}, "city": {"type": "string"}}}
+    tool = tl.ToolDef(function=tl.FunctionDef(name="f", parameters=params))
+    assert list(json.loads(tl.constraint([tool], "function:f").text)["properties"]) == ["unit", "city"]
+    item = json.loads(tl.constraint([tool], "required").text)["items"]["anyOf"][0]
+    assert list(item["properties"]) == ["name", "parameters"]
+    assert list(item["properties"]["parameters"]["properties"]) == ["unit", "city"]
+
+
 def test_enforced_outputs_parse():
     calls = tl.parse_enforced("required", '[{"name": "get_time", "parameters": {}}, '
                                           '{"name": "get_weather", "parameters": {"city": "Zürich"}}]')

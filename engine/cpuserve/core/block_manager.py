@@ -62,8 +62,9 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix of seq (never its last token:
-        at least one token must be computed to produce logits)."""
-        if not self.enable_prefix_caching:
+        at least one token must be computed to produce logits); none for a sequence that asks for
+        its prompt's logprobs: every prompt token is then computed (as vLLM does)."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         num_full = (len(seq) - 1) // self.block_size
         hits = []

@@ -31,6 +31,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None        # top-N logprobs per generated token
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (each prompt token's own too)
     logit_bias: dict[int, float] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -65,6 +66,9 @@ class SamplingParams:
             bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            bad(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad(f"seed must be an integer, got {self.seed!r}")
         if isinstance(self.stop, str):

@@ -42,6 +42,9 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] = []
+        # with params.prompt_logprobs: entry i for prompt token i, given the tokens before it (none
+        # for the first), filled in as the prompt's chunks run
+        self.prompt_logprobs: list[dict[int, float] | None] = [None]
         self.output_text_len = 0           # set by the detokenizer when stop strings truncate
         self.generator = None              # per-sequence torch.Generator when seeded
         self.first_scheduled: float | None = None

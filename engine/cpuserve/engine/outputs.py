@@ -28,6 +28,9 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     queued_s: float | None = None  # arrival -> first scheduled, once the first token is out
+    # with SamplingParams.prompt_logprobs, once the first token is out: entry i for prompt token i
+    # ({token id: logprob}, the token's own and the top N), None for the first
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -42,6 +45,7 @@ class SeqOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     queued_s: float | None = None          # arrival -> first scheduled, on the first output
+    prompt_logprobs: list | None = None    # the prompt's logprobs (asked for), with the first token
 
 
 STEP_KINDS = ("decode", "mixed", "prefill")

@@ -3,6 +3,7 @@ positions, cache slots, block tables and which tokens' logits are sampled."""
 from __future__ import annotations
 
 import array
+from typing import NamedTuple
 
 import torch
 
@@ -11,10 +12,33 @@ from cpuserve.core.sequence import Sequence
 from cpuserve.model_executor.context import ForwardContext
 
 
+class PromptRows(NamedTuple):
+    """Rows of a step whose logits give prompt logprobs: `count` rows of `seq` from flat row `row`
+    on, at positions `pos`.. (each row's logits are the distribution of the prompt token after it)."""
+    seq: Sequence
+    row: int
+    pos: int
+    count: int
+
+
+def prompt_logprob_rows(batch: ScheduledBatch) -> list[PromptRows]:
+    """The rows of a step's sequences that ask for prompt logprobs (SamplingParams.prompt_logprobs)
+    and run prompt tokens with a prompt token after them; their logits follow the samplers'."""
+    rows, row = [], 0
+    for seq, n in zip(batch.seqs, batch.num_tokens):
+        start = seq.num_computed_tokens
+        count = min(start + n, seq.num_prompt_tokens - 1) - start
+        if seq.params.prompt_logprobs is not None and count > 0:
+            rows.append(PromptRows(seq, row, start, count))
+        row += n
+    return rows
+
+
 def prepare_inputs(batch: ScheduledBatch, block_size: int) -> tuple[torch.Tensor, ForwardContext, list[Sequence]]:
     """(input ids, forward context, the sequences that sample this step). Each
     sequence contributes the `n` tokens scheduled after its computed ones; it
-    samples when those reach the end of what it knows."""
+    samples when those reach the end of what it knows. The logits rows are the samplers' in
+    order, then prompt_logprob_rows'."""
     bs = block_size
     ids: list[int] = []
     positions: list[int] = []
@@ -36,6 +60,9 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int) -> tuple[torch.Tensor
         if end == len(seq):
             logits_idx.append(qsl[-1] - 1)
             samplers.append(seq)
+    in_order = len(logits_idx) == len(ids)  # every row samples: the logits are every row's, in order
+    for r in prompt_logprob_rows(batch):
+        logits_idx.extend(range(r.row, r.row + r.count))
     t = len(ids)
     # two tensors made from lists and sliced (each torch.tensor of a list costs several
     # microseconds a decode step, its Python and torch state cold after the weights streamed)
@@ -49,7 +76,7 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int) -> tuple[torch.Tensor
         seq_lens=ints[:n_seqs],
         query_start_loc=ints[n_seqs:],
         logits_indices=longs[3 * t:],
-        every_token_samples=len(logits_idx) == t,
+        every_token_samples=in_order,
     )
     return longs[:t], ctx, samplers
 

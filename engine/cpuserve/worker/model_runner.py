@@ -25,8 +25,9 @@ from cpuserve.platform.isa import resolve_dtype, resolve_kv_dtype
 from cpuserve.platform.malloc import release_free_heap, tune_malloc
 from cpuserve.worker import kv_cache
 from cpuserve.worker.idle import IdleWork
-from cpuserve.worker.input_batch import DecodeInputs, blocks_for, packed_inputs, prepare_inputs, scoring_inputs
-from cpuserve.worker.sampler import Sampler
+from cpuserve.worker.input_batch import (DecodeInputs, blocks_for, packed_inputs, prepare_inputs,
+                                         prompt_logprob_rows, scoring_inputs)
+from cpuserve.worker.sampler import Sampler, record_prompt_logprobs
 
 log = logging.getLogger("cpuserve")
 
@@ -327,12 +328,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[dict | None]]:
         """Runs the model on the batch; returns the sequences that sampled, their tokens and logprobs."""
-        input_ids, ctx, samplers = self.decode_inputs(batch) or prepare_inputs(batch, self.block_size)
-        if samplers and self.ranks is None and self.model.lm_head.greedy_copy is not None \
+        decode = self.decode_inputs(batch)
+        input_ids, ctx, samplers = decode or prepare_inputs(batch, self.block_size)
+        prompt_rows = [] if decode else prompt_logprob_rows(batch)
+        if samplers and not prompt_rows and self.ranks is None and self.model.lm_head.greedy_copy is not None \
                 and self.sampler.plain(samplers):
             tokens = self._run(input_ids, ctx, "argmax")
             return samplers, tokens.tolist(), [None] * len(samplers)
-        logits = self._run(input_ids, ctx, bool(samplers))
+        logits = self._run(input_ids, ctx, bool(samplers or prompt_rows))
+        if prompt_rows:
+            record_prompt_logprobs(logits[len(samplers):], prompt_rows)
+            logits = logits[:len(samplers)]
         if not samplers:
             return [], [], []
         tokens, logprobs = self.sampler(logits, samplers)

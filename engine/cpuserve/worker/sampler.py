@@ -58,6 +58,32 @@ def _filtered_probs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor | None:
     return probs / total
 
 
+def top_entry(row: torch.Tensor, token: int, n: int) -> dict[int, float]:
+    """A position's logprobs entry: the token's own logprob, then the top n of the row (log-softmax)."""
+    entry = {token: float(row[token])}
+    if n > 0:
+        top = torch.topk(row, n)
+        for lp, tid in zip(top.values.tolist(), top.indices.tolist()):
+            entry.setdefault(tid, lp)
+    return entry
+
+
+def record_prompt_logprobs(logits: torch.Tensor, rows) -> None:
+    """Appends each prompt token's logprobs (the raw model distribution, as vLLM's) to its sequence,
+    from the logits of input_batch.prompt_logprob_rows in order: a row at position p gives the entry
+    of prompt token p + 1. Only positions not yet recorded: a preempted sequence's recomputation
+    does not record them twice."""
+    at = 0
+    for r in rows:
+        lps = torch.log_softmax(logits[at:at + r.count].float(), dim=-1)
+        at += r.count
+        seq, n = r.seq, r.seq.params.prompt_logprobs
+        for i in range(r.count):
+            pos = r.pos + i + 1
+            if pos == len(seq.prompt_logprobs):
+                seq.prompt_logprobs.append(top_entry(lps[i], seq.token_ids[pos], n))
+
+
 class Sampler:
     def __init__(self, eos_token_ids: set[int]):
         self.eos_token_ids = eos_token_ids
@@ -95,13 +121,7 @@ class Sampler:
             if n is None:
                 logprobs.append(None)
                 continue
-            row = raw_logprobs[i]
-            entry = {tokens[i]: float(row[tokens[i]])}
-            if n > 0:
-                top = torch.topk(row, n)
-                for lp, tid in zip(top.values.tolist(), top.indices.tolist()):
-                    entry.setdefault(tid, lp)
-            logprobs.append(entry)
+            logprobs.append(top_entry(raw_logprobs[i], tokens[i], n))
         return tokens, logprobs
 
     def _constrain(self, logits: torch.Tensor, raw: torch.Tensor, rows: list[tuple[int, object]]) -> None:

@@ -5,12 +5,12 @@ import torch
 
 from cpuserve.core.sampling_params import SamplingParams
 from cpuserve.core.scheduler import ScheduledBatch
-from cpuserve.worker.input_batch import block_tables, prepare_inputs, scoring_inputs
+from cpuserve.worker.input_batch import PromptRows, block_tables, prepare_inputs, prompt_logprob_rows, scoring_inputs
 
 
-def seq(tokens, computed, table):
+def seq(tokens, computed, table, params=None):
     from cpuserve.core.sequence import Sequence
-    s = Sequence(list(tokens), SamplingParams())
+    s = Sequence(list(tokens), params or SamplingParams())
     s.num_computed_tokens, s.block_table = computed, list(table)
     return s
 
@@ -31,6 +31,23 @@ def test_chunked_prefill_and_decode_in_one_step():
     assert samplers == [tail, decode]
     assert ctx.block_tables.tolist() == [[7, 3, 9], [5, 2, 0], [8, 6, 0]]
     assert ctx.block_tables.dtype == torch.int32 and ctx.slot_mapping.dtype == torch.int64
+    assert not ctx.every_token_samples
+
+
+def test_prompt_logprob_rows_follow_the_samplers_logits():
+    """Rows whose next token is a prompt token, of the sequences that ask for prompt logprobs: a
+    chunk's every row, a finishing prompt's rows but its last (it samples), no decode row."""
+    bs, ask = 4, SamplingParams(prompt_logprobs=1)
+    chunk = seq(range(100, 110), 0, [7, 3, 9], ask)      # rows 0-5, positions 0-5
+    plain = seq(range(300, 303), 0, [4])                 # rows 6-8: no prompt logprobs asked
+    tail = seq(range(200, 206), 4, [5, 2], ask)          # rows 9-10, positions 4-5: 4 -> token 5
+    decode = seq([1, 2, 3, 4, 5], 4, [8, 6], ask)        # row 11: a generated token's position
+    decode.num_prompt_tokens = 4
+    batch = ScheduledBatch([chunk, plain, tail, decode], [6, 3, 2, 1])
+    assert prompt_logprob_rows(batch) == [PromptRows(chunk, 0, 0, 6), PromptRows(tail, 9, 4, 1)]
+    _, ctx, samplers = prepare_inputs(batch, bs)
+    assert samplers == [plain, tail, decode]
+    assert ctx.logits_indices.tolist() == [8, 10, 11, 0, 1, 2, 3, 4, 5, 9]
     assert not ctx.every_token_samples
 
 

@@ -76,6 +76,41 @@ def test_logprobs_are_the_model_distribution(llm_f32, tokenizer):
         assert math.isclose(entry[tok], float(want[tok]), abs_tol=1e-4)
 
 
+def test_prompt_logprobs_are_the_model_distribution_over_prompt_chunks():
+    """Each prompt token's logprob given the tokens before it (vLLM's prompt_logprobs), computed in
+    32-token prompt chunks, for n = 2 completions; the prompt is computed whole again the second time
+    (no prefix cache hit), and the completions are the same as without the logprobs."""
+    from cpuserve import LLM
+    llm = LLM(dtype="float32", block_size=16, kv_cache_space=0.25, max_num_batched_tokens=32)
+    prompt = llm.get_tokenizer().encode("The quick brown fox jumps over the lazy dog. " * 7)
+    want = torch.log_softmax(llm.engine.runner.logits_for(prompt), -1)
+    plain = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=3))[0]
+    for _ in range(2):
+        out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=3, n=2,
+                                                                       prompt_logprobs=3))[0]
+        assert out.num_cached_tokens == 0 and len(prompt) > 64
+        assert [c.token_ids for c in out.outputs] == [plain.outputs[0].token_ids] * 2
+        lps = out.prompt_logprobs
+        assert len(lps) == len(prompt) and lps[0] is None
+        for i in range(1, len(prompt)):
+            top = torch.topk(want[i - 1], 3).indices.tolist()
+            assert set(lps[i]) == set(top) | {prompt[i]}
+            for tok, lp in lps[i].items():
+                assert math.isclose(lp, float(want[i - 1, tok]), abs_tol=1e-5)
+
+
+def test_prompt_logprobs_recorded_once_per_position():
+    """A preempted sequence computes its prompt again: positions it recorded are not added twice."""
+    from cpuserve.worker.input_batch import PromptRows
+    from cpuserve.worker.sampler import record_prompt_logprobs
+    s = _seq(SamplingParams(prompt_logprobs=0), prompt=(2, 0, 1))
+    logits = torch.tensor([[0.0, 1.0, 2.0], [3.0, 0.0, 0.0]])
+    record_prompt_logprobs(logits, [PromptRows(s, 0, 0, 2)])
+    record_prompt_logprobs(logits, [PromptRows(s, 0, 0, 2)])
+    lsm = torch.log_softmax(logits, -1)
+    assert s.prompt_logprobs == [None, {0: float(lsm[0, 0])}, {1: float(lsm[1, 1])}]
+
+
 def test_penalties_and_logit_bias_change_the_output(llm_f32):
     base = _text(llm_f32, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].token_ids
     for kw in (dict(repetition_penalty=1.5), dict(presence_penalty=1.5), dict(frequency_penalty=1.5)):

@@ -90,7 +90,7 @@ class SamplingFields(RequestBody):
                            self.guided_choice, self.guided_grammar, self.guided_whitespace_pattern)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        structured: GrammarSpec | None = None) -> SamplingParams:
+                        structured: GrammarSpec | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
         bias = None
         if self.logit_bias:
             try:
@@ -104,16 +104,16 @@ class SamplingFields(RequestBody):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, logprobs=logprobs, logit_bias=bias,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias,
             include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
             structured=structured)
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: only with echo (the prompt and its logprobs back)
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: bool = False  # the prompt before each choice's text, its logprobs before the choice's
     suffix: str | None = None
     best_of: int | None = None
 

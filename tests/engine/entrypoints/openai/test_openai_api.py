@@ -65,6 +65,33 @@ def test_logprobs(client):
     assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
 
 
+def test_echo_with_prompt_logprobs(server, client, llm_f32):
+    """echo (lm-evaluation-harness's loglikelihood asks for it): the prompt before the choice's text,
+    with logprobs its tokens' first (None for the first token), streamed and not; max_tokens 0 gives
+    the prompt alone, and without echo it is a 400."""
+    tok = llm_f32.get_tokenizer()
+    prompt_ids = tok.encode(PROMPT)
+    want = llm_f32.generate({"prompt_token_ids": prompt_ids},
+                            SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2))[0]
+    kw = dict(model="smollm2", prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=2)
+    r = client.completions.create(**kw)
+    c, n = r.choices[0], len(prompt_ids)
+    assert c.text == PROMPT + want.outputs[0].text and r.usage.completion_tokens == 4
+    assert len(c.logprobs.tokens) == n + 4 and "".join(c.logprobs.tokens) == c.text
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    for i in range(1, n):
+        assert abs(c.logprobs.token_logprobs[i] - want.prompt_logprobs[i][prompt_ids[i]]) < 1e-3  # other blocks
+        assert len(c.logprobs.top_logprobs[i]) == 2
+    streamed = list(client.completions.create(**kw, stream=True))
+    assert "".join(x.choices[0].text for x in streamed if x.choices) == c.text
+    assert sum((x.choices[0].logprobs.token_logprobs for x in streamed if x.choices), []) == c.logprobs.token_logprobs
+    alone = client.completions.create(**{**kw, "max_tokens": 0}).choices[0]
+    assert alone.text == PROMPT and alone.finish_reason == "length"
+    assert alone.logprobs.token_logprobs == c.logprobs.token_logprobs[:n]
+    r = httpx.post(server.url + "/v1/completions", json={"model": "smollm2", "prompt": PROMPT, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
 def test_stop_sequences(client):
     full = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=30, temperature=0).choices[0].text
     stop = full.split()[3]

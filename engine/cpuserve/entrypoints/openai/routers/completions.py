@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 
 from cpuserve.core.sampling_params import SamplingParams
-from cpuserve.engine.outputs import RequestOutput
+from cpuserve.engine.outputs import CompletionOutput, RequestOutput
 from cpuserve.entrypoints.openai import links
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import CompletionRequest, now, usage
@@ -23,14 +24,17 @@ async def completions(req: CompletionRequest, request: Request):
     refuse_unsupported(req)
     prompts = await asyncio.to_thread(tokenize_prompts, req.prompt, st.tokenizer)  # off the event loop
     spec = await constraint(req)
-    params = sampling_params(req.sampling_params, req.max_tokens, req.logprobs, spec)
-    view = CompletionView(st, params, bool(req.stream_options and req.stream_options.include_usage))
+    # echo with logprobs: the prompt's logprobs too; max_tokens 0 runs one token, never shown
+    params = sampling_params(req.sampling_params, max(1, req.max_tokens) if req.max_tokens is not None else None,
+                             req.logprobs, spec, req.logprobs if req.echo else None)
+    view = CompletionView(st, params, bool(req.stream_options and req.stream_options.include_usage),
+                          Echo(req.echo, req.max_tokens == 0))
     return await generate(request, [(t, ids, params) for t, ids in prompts], view.stream, view.final, req.stream)
 
 
 def refuse_unsupported(req: CompletionRequest) -> None:
-    if req.echo:
-        raise APIError(400, "echo is not supported", param="echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(400, "max_tokens must be at least 1 (0 only with echo: the prompt back)", param="max_tokens")
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.best_of not in (None, req.n):
@@ -55,12 +59,38 @@ def tokenize_prompts(p, tok) -> list[tuple[str | None, list[int]]]:
     return prompts
 
 
+@dataclass(frozen=True)
+class Echo:
+    """`echo` (the prompt, and with logprobs its logprobs, before each choice's own) and max_tokens 0
+    (the prompt alone: the one token the engine ran is not shown), as vLLM answers them."""
+    on: bool = False
+    prompt_only: bool = False
+
+    def shown(self, out: RequestOutput, c: CompletionOutput, tok) -> CompletionOutput:
+        """The choice as the client sees it."""
+        if not self.on:
+            return c
+        prompt = out.prompt if out.prompt is not None else tok.decode(out.prompt_token_ids)
+        lps = None
+        if c.logprobs is not None:
+            lps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids))
+        if self.prompt_only:
+            return CompletionOutput(c.index, prompt, list(out.prompt_token_ids), "length" if c.finished else None,
+                                    None, lps)
+        return CompletionOutput(c.index, prompt + c.text, out.prompt_token_ids + c.token_ids, c.finish_reason,
+                                c.stop_reason, None if lps is None else lps + c.logprobs)
+
+    def generated(self, c: CompletionOutput) -> int:
+        """The choice's tokens counted in usage (none where max_tokens was 0)."""
+        return 0 if self.prompt_only else len(c.token_ids)
+
+
 class CompletionView:
     """Renders engine outputs as text_completion objects, whole or as stream chunks.
     Choice index = prompt index * n + the completion's own index."""
 
-    def __init__(self, st: ServerState, params: SamplingParams, include_usage: bool):
-        self.st, self.params, self.include_usage = st, params, include_usage
+    def __init__(self, st: ServerState, params: SamplingParams, include_usage: bool, echo: Echo = Echo()):
+        self.st, self.params, self.include_usage, self.echo = st, params, include_usage, echo
         self.created = now()
 
     def head(self, base: str) -> dict:
@@ -75,29 +105,31 @@ class CompletionView:
         for tid, entry in zip(comp.token_ids[start:end], comp.logprobs[start:end]):
             s = tok.decode([tid])
             toks.append(s)
-            lps.append(entry.get(tid))
-            top = sorted(entry.items(), key=lambda kv: -kv[1])[: self.params.logprobs]
-            tops.append({tok.decode([t]): lp for t, lp in top})
+            lps.append(None if entry is None else entry.get(tid))  # None: the prompt's first token
+            top = [] if entry is None else sorted(entry.items(), key=lambda kv: -kv[1])[: self.params.logprobs]
+            tops.append(None if entry is None else {tok.decode([t]): lp for t, lp in top})
             offs.append(off)
             off += len(s)
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
     def final(self, base: str, outs: list[RequestOutput]) -> dict:
-        n = self.params.n
+        n, tok = self.params.n, self.st.tokenizer
+        shown = [(pi, self.echo.shown(out, c, tok)) for pi, out in enumerate(outs) for c in out.outputs]
         choices = [{"index": pi * n + c.index, "text": c.text, "logprobs": self.logprobs(c, 0, len(c.token_ids), 0),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                   for pi, out in enumerate(outs) for c in out.outputs]
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for pi, c in shown]
         return {**self.head(base), "choices": choices,
                 "usage": usage(sum(len(o.prompt_token_ids) for o in outs),
-                               sum(len(c.token_ids) for o in outs for c in o.outputs))}
+                               sum(self.echo.generated(c) for o in outs for c in o.outputs))}
 
     async def stream(self, base: str, items):
-        deltas, prompt_tokens = DeltaTracker(self.params.stop_strings), {}
+        deltas, prompt_tokens, generated = DeltaTracker(self.params.stop_strings), {}, {}
         try:
             async for pi, out in items:
                 prompt_tokens[pi] = len(out.prompt_token_ids)
                 for c in out.outputs:
                     key = pi * self.params.n + c.index
+                    generated[key] = self.echo.generated(c)
+                    c = self.echo.shown(out, c, self.st.tokenizer)
                     step = deltas.advance(key, c)
                     if step is None:
                         continue
@@ -108,7 +140,7 @@ class CompletionView:
                     yield sse({**self.head(base), "choices": [chunk]})
             if self.include_usage:
                 yield sse({**self.head(base), "choices": [],
-                           "usage": usage(sum(prompt_tokens.values()), deltas.completion_tokens())})
+                           "usage": usage(sum(prompt_tokens.values()), sum(generated.values()))})
             yield sse("[DONE]")
         except APIError as e:
             yield sse(e.body())

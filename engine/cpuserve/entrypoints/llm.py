@@ -61,10 +61,14 @@ class LLM:
             raise
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template: str | None = None,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: each conversation through the chat template, its last message answered, or
+        (continue_final_message, with add_generation_prompt False) continued."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        prompts = [tok.encode(apply_chat_template(tok, conv, add_generation_prompt, chat_template),
+        prompts = [tok.encode(apply_chat_template(tok, conv, add_generation_prompt, chat_template, continue_final_message,
+                                                  **(chat_template_kwargs or {})),
                               add_special_tokens=False) for conv in conversations]
         return self.generate(prompts, sampling_params)
 

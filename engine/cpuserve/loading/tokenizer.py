@@ -87,13 +87,36 @@ class Tokenizer:
         return [self._tok.id_to_token(i) for i in ids]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, **kwargs) -> str:
+                            chat_template: str | None = None, continue_final_message: bool = False,
+                            **kwargs) -> str:
+        """The conversation as the template renders it; `kwargs` are further template variables
+        (tools, a request's chat_template_kwargs). `continue_final_message`: the text ends with the
+        last message's content, left open for the model to continue (vLLM's and transformers')."""
         template = chat_template or self.chat_template
         if template is None:
             raise ValueError("this model has no chat template; pass chat_template= or use completions")
-        return _compile_template(template).render(
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set: the last "
+                             "message is either continued or answered")
+        text = _compile_template(template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
             eos_token=self.eos_token or "", pad_token=self.pad_token, unk_token=self.unk_token, **kwargs)
+        return continue_final(text, messages) if continue_final_message else text
+
+
+def continue_final(text: str, messages: list[dict]) -> str:
+    """The rendered conversation cut after its last message's content (what follows it: the
+    template's end-of-turn markers), as transformers' continue_final_message cuts it."""
+    final = messages[-1].get("content") if messages else None
+    if isinstance(final, list):
+        final = "".join(p.get("text", "") for p in final if isinstance(p, dict))
+    if not final:
+        raise ValueError("continue_final_message needs a last message with content to continue")
+    for part in (final, final.strip()):
+        at = text.rfind(part)
+        if part and at >= 0:
+            return text[:at + len(part)]
+    raise ValueError("continue_final_message: the chat template does not render the last message's content")
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer:
@@ -101,5 +124,6 @@ def load_tokenizer(model_dir: Path) -> Tokenizer:
 
 
 def apply_chat_template(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                        chat_template: str | None = None, **kwargs) -> str:
-    return tokenizer.apply_chat_template(messages, add_generation_prompt, chat_template, **kwargs)
+                        chat_template: str | None = None, continue_final_message: bool = False, **kwargs) -> str:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt, chat_template, continue_final_message,
+                                         **kwargs)

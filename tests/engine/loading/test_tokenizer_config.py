@@ -42,6 +42,28 @@ def test_chat_template_matches_transformers(both, gen):
             hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen)
 
 
+def test_continue_final_message_matches_transformers(both):
+    ours, hf = both
+    for last in ("The answer is", "  padded  ", "Line one\nline two"):
+        conv = [{"role": "user", "content": "Go on."}, {"role": "assistant", "content": last}]
+        got = ours.apply_chat_template(conv, add_generation_prompt=False, continue_final_message=True)
+        assert got == hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=False,
+                                             continue_final_message=True)
+        assert got.endswith(last)
+    with pytest.raises(ValueError, match="cannot both be set"):
+        ours.apply_chat_template(CONVERSATIONS[0], continue_final_message=True)
+    with pytest.raises(ValueError, match="needs a last message"):
+        ours.apply_chat_template([{"role": "assistant", "content": ""}], add_generation_prompt=False,
+                                 continue_final_message=True)
+
+
+def test_template_variables_reach_the_template(both):
+    ours, _ = both
+    template = "{{ greeting }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert ours.apply_chat_template([{"role": "user", "content": "x"}], chat_template=template, greeting="Hey ") == \
+        "Hey x"
+
+
 def test_missing_chat_template_is_a_clear_error(tmp_path, llm_f32):
     import shutil
     d = llm_f32.engine.runner.model_dir

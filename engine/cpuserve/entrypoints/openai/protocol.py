@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -166,25 +166,48 @@ def _arguments(text: str):
     return value if isinstance(value, dict) else text
 
 
-class ChatCompletionRequest(SamplingFields):
+# the variables a chat template gets from the server, which chat_template_kwargs may not replace
+TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tools", "bos_token",
+                                "eos_token", "pad_token", "unk_token"})
+
+
+class ChatTemplateFields(RequestBody):
+    """How a conversation is rendered (vLLM's fields): the generation prompt after it, or its last
+    (assistant) message left open to be continued; further variables for the template (e.g.
+    `enable_thinking`)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def render(self, tok, messages: list[dict], chat_template: str | None = None, **extra) -> str:
+        """The conversation's text; ValueError (the client's mistake) when the fields conflict or the
+        template fails."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        clash = sorted(TEMPLATE_VARIABLES & kwargs.keys())
+        if clash:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)} (the request's own fields do)")
+        return tok.apply_chat_template(messages, add_generation_prompt=self.add_generation_prompt,
+                                       chat_template=chat_template,
+                                       continue_final_message=self.continue_final_message, **extra, **kwargs)
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    add_generation_prompt: bool = True
     chat_template: str | None = None
     tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
 
-class TokenizeRequest(RequestBody):
+class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(RequestBody):

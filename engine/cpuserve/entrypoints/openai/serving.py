@@ -78,6 +78,18 @@ def _field_of(req) -> str:
                              "guided_choice", "guided_grammar") if getattr(req, f, None) is not None), "response_format")
 
 
+def rendered(req, tok, chat_template: str | None = None, **extra) -> str:
+    """A request's conversation through the chat template; its mistakes (the template's errors,
+    conflicting fields) as 400s naming the field."""
+    try:
+        return req.render(tok, [m.as_template_dict() for m in req.messages], chat_template, **extra)
+    except Exception as e:  # noqa: BLE001 - a template error is the client's input
+        msg = str(e)
+        param = next((f for f in ("chat_template_kwargs", "continue_final_message") if msg.startswith(f)), "messages")
+        raise APIError(400, msg if param != "messages" else f"chat template failed: {msg}", param=param) from None
+
+
+
 Prompt = tuple[str | None, list[int], SamplingParams]
 
 

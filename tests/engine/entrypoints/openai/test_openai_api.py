@@ -92,6 +92,29 @@ def test_echo_with_prompt_logprobs(server, client, llm_f32):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
+def test_continue_final_message_and_template_kwargs(server, client, llm_f32):
+    """The last (assistant) message continued, as offline LLM.chat does it; chat_template_kwargs as
+    template variables; their conflicts as 400s naming the field."""
+    conv = [{"role": "user", "content": "Write a haiku about the sea."}, {"role": "assistant", "content": "Waves"}]
+    kw = dict(add_generation_prompt=False, continue_final_message=True)
+    r = client.chat.completions.create(model="smollm2", messages=conv, max_tokens=12, temperature=0, extra_body=kw)
+    want = llm_f32.chat(conv, SamplingParams(temperature=0, max_tokens=12), **kw)[0]
+    assert r.choices[0].message.content == want.outputs[0].text
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert llm_f32.get_tokenizer().decode(want.prompt_token_ids).endswith("assistant\nWaves")
+    t = httpx.post(server.url + "/tokenize", json={"messages": conv, **kw}).json()
+    assert t["tokens"] == want.prompt_token_ids
+    template = "{{ greeting }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    r = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=2, extra_body={
+        "chat_template": template, "chat_template_kwargs": {"greeting": "Hello there. "}})
+    assert r.usage.prompt_tokens == len(llm_f32.get_tokenizer().encode("Hello there. " + CHAT[0]["content"],
+                                                                       add_special_tokens=False))
+    for body, param in (({"continue_final_message": True}, "continue_final_message"),
+                        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs")):
+        r = httpx.post(server.url + "/v1/chat/completions", json={"model": "smollm2", "messages": conv, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_stop_sequences(client):
     full = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=30, temperature=0).choices[0].text
     stop = full.split()[3]

@@ -12,7 +12,8 @@ from cpuserve.entrypoints.openai import links
 from cpuserve.entrypoints.openai import tools as tl
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import ChatCompletionRequest, now, usage
-from cpuserve.entrypoints.openai.serving import ServerState, constraint, generate, sampling_params, server_state
+from cpuserve.entrypoints.openai.serving import (ServerState, constraint, generate, rendered, sampling_params,
+                                                  server_state)
 from cpuserve.entrypoints.openai.streaming import DeltaTracker, sse
 
 router = APIRouter()
@@ -49,12 +50,7 @@ def tool_mode(req: ChatCompletionRequest, st: ServerState) -> str:
 def render_conversation(req: ChatCompletionRequest, tok) -> list[int]:
     """The conversation through the chat template, as token ids (a template error is the client's)."""
     extra = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if req.tools else {}
-    try:
-        text = tok.apply_chat_template([m.as_template_dict() for m in req.messages],
-                                       add_generation_prompt=req.add_generation_prompt,
-                                       chat_template=req.chat_template, **extra)
-    except Exception as e:  # noqa: BLE001 - a template error is the client's input
-        raise APIError(400, f"chat template failed: {e}", param="messages") from None
+    text = rendered(req, tok, req.chat_template, **extra)
     ids = tok.encode(text, add_special_tokens=False)
     if not ids:
         raise APIError(400, "the rendered conversation is empty", param="messages")

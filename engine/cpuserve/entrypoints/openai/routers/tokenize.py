@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from cpuserve.entrypoints.openai import links
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
-from cpuserve.entrypoints.openai.serving import server_state
+from cpuserve.entrypoints.openai.serving import rendered, server_state
 
 router = APIRouter()
 
@@ -19,9 +19,7 @@ async def tokenize(req: TokenizeRequest, request: Request):
         raise APIError(400, "give exactly one of prompt or messages")
     tok = st.tokenizer
     if req.messages is not None:
-        text = tok.apply_chat_template([m.as_template_dict() for m in req.messages],
-                                       add_generation_prompt=req.add_generation_prompt)
-        ids = tok.encode(text, add_special_tokens=False)
+        ids = tok.encode(rendered(req, tok), add_special_tokens=False)
     else:
         ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     return {"tokens": ids, "count": len(ids), "max_model_len": st.engine.info.max_model_len}

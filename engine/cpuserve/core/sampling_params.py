@@ -12,6 +12,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
+MAX_ALLOWED_TOKEN_IDS = 65536
 
 
 @dataclass
@@ -33,6 +34,7 @@ class SamplingParams:
     logprobs: int | None = None        # top-N logprobs per generated token
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token (each prompt token's own too)
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: every other token masked out
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured: GrammarSpec | None = None  # the output constraint (structured output), if any
@@ -95,6 +97,8 @@ class SamplingParams:
             bad(f"each stop string may be at most {MAX_STOP_CHARS} characters long")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             bad(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        if self.allowed_token_ids is not None and not 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS:
+            bad(f"allowed_token_ids must hold 1 to {MAX_ALLOWED_TOKEN_IDS} ids, got {len(self.allowed_token_ids)}")
         if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
             bad(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
 

@@ -1,6 +1,7 @@
 """Turns the logits of the sequences that sample this step into next tokens.
 
-Order of operations (as vLLM): logit bias, min_tokens (EOS and stop ids masked),
+Order of operations (as vLLM): allowed_token_ids (every other token masked), logit
+bias, min_tokens (EOS and stop ids masked),
 repetition / presence / frequency penalties, then greedy argmax, or temperature,
 top-k, top-p, min-p and a draw from the sequence's own generator. A sequence with
 an output constraint has every token its grammar does not allow masked out last
@@ -153,11 +154,16 @@ class Sampler:
 
     def _processes(self, seq: Sequence) -> bool:
         p = seq.params
-        return bool(p.logit_bias or (p.min_tokens and seq.num_output_tokens < p.min_tokens)
+        return bool(p.logit_bias or p.allowed_token_ids or (p.min_tokens and seq.num_output_tokens < p.min_tokens)
                     or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
 
     def _process(self, row: torch.Tensor, seq: Sequence) -> None:
         p = seq.params
+        if p.allowed_token_ids:
+            keep = torch.tensor(p.allowed_token_ids, dtype=torch.long)
+            kept = row[keep]
+            row.fill_(float("-inf"))
+            row[keep] = kept
         if p.logit_bias:
             for tid, bias in p.logit_bias.items():
                 if 0 <= int(tid) < row.shape[0]:

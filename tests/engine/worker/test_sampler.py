@@ -111,6 +111,18 @@ def test_prompt_logprobs_recorded_once_per_position():
     assert s.prompt_logprobs == [None, {0: float(lsm[0, 0])}, {1: float(lsm[1, 1])}]
 
 
+def test_allowed_token_ids_are_all_that_is_sampled(llm_f32):
+    allowed = [11, 28, 30, 216, 314]
+    for params in (SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed),
+                   SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed)):
+        out = _text(llm_f32, params)[0]
+        assert len(out.token_ids) == 12 and set(out.token_ids) <= set(allowed)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm_f32.generate("x", SamplingParams(max_tokens=2, allowed_token_ids=[10 ** 9]))
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+
+
 def test_penalties_and_logit_bias_change_the_output(llm_f32):
     base = _text(llm_f32, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].token_ids
     for kw in (dict(repetition_penalty=1.5), dict(presence_penalty=1.5), dict(frequency_penalty=1.5)):

@@ -1,9 +1,11 @@
 """OpenAI request and response shapes (the subset cpuserve serves) and their
-translation to SamplingParams. Unknown fields are ignored, as OpenAI does;
-invalid values become a 400 with the offending parameter named."""
+translation to SamplingParams. Unknown fields are ignored, with a warning in the server's log
+naming them (as vLLM does: a client's extra that this server does not know must not pass
+unnoticed); invalid values become a 400 with the offending parameter named."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any, Literal
 
@@ -12,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from cpuserve.core.sampling_params import SamplingParams
 from cpuserve.entrypoints.openai.tools import NamedToolChoice, ToolDef
 from cpuserve.structured.spec import GrammarSpec, from_fields
+
+log = logging.getLogger("cpuserve.api")
 
 MAX_TOOLS = 128
 
@@ -39,7 +43,7 @@ def lone_surrogate(value) -> str | None:
 
 
 class RequestBody(BaseModel):
-    """Every request body: unknown fields ignored, text that is valid Unicode."""
+    """Every request body: unknown fields ignored (and logged), text that is valid Unicode."""
     model_config = ConfigDict(extra="ignore")
 
     @model_validator(mode="before")
@@ -48,6 +52,10 @@ class RequestBody(BaseModel):
         where = lone_surrogate(data)
         if where is not None:
             raise ValueError(f"{where} holds a lone UTF-16 surrogate, which is not valid Unicode text")
+        if isinstance(data, dict):
+            unknown = sorted(k for k in data if k not in cls.model_fields)
+            if unknown:
+                log.warning("%s: ignored the request's fields %s (not served here)", cls.__name__, ", ".join(unknown))
         return data
 
 
@@ -67,6 +75,11 @@ class SamplingFields(RequestBody):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None   # vLLM's: only these may be sampled
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: the prompt's last k tokens (-1: max_model_len)
+    # vLLM's, not served here: a 400 when asked for, never an answer that ignored them
+    use_beam_search: bool = False
+    bad_words: list[str] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     stream: bool = False
@@ -91,6 +104,10 @@ class SamplingFields(RequestBody):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         structured: GrammarSpec | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+        if self.use_beam_search:
+            raise ValueError("use_beam_search is not supported: this server samples (greedy with temperature 0)")
+        if self.bad_words:
+            raise ValueError("bad_words is not supported (logit_bias bans single tokens)")
         bias = None
         if self.logit_bias:
             try:
@@ -105,6 +122,7 @@ class SamplingFields(RequestBody):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias,
+            allowed_token_ids=self.allowed_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
             structured=structured)
 

@@ -90,6 +90,16 @@ def rendered(req, tok, chat_template: str | None = None, **extra) -> str:
 
 
 
+def truncated(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len's worth)."""
+    if keep is None:
+        return ids
+    if keep == 0 or keep > max_model_len:
+        raise APIError(400, f"truncate_prompt_tokens must be -1 or in [1, max_model_len = {max_model_len}], got {keep}",
+                       param="truncate_prompt_tokens")
+    return ids[-(max_model_len if keep == -1 else keep):]
+
+
 Prompt = tuple[str | None, list[int], SamplingParams]
 
 
@@ -98,7 +108,11 @@ async def generate(request: Request, prompts: list[Prompt], stream_fn, final_fn,
     or gathers every final output and answers final_fn(base_id, outputs)."""
     st = server_state(request)
     base = f"{request.state.request_id}-{uuid.uuid4().hex[:8]}"
+    vocab = st.engine.info.vocab_size
     for _, ids, params in prompts:
+        allowed = params.allowed_token_ids
+        if allowed and (min(allowed) < 0 or max(allowed) >= vocab):
+            raise APIError(400, f"allowed_token_ids must be in [0, {vocab})", param="allowed_token_ids")
         try:
             st.engine.check(len(ids), params)
         except RequestRejected as e:

@@ -115,6 +115,30 @@ def test_continue_final_message_and_template_kwargs(server, client, llm_f32):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_vllm_extras_allowed_tokens_truncation_and_unknown_fields(server, client, llm_f32):
+    tok = llm_f32.get_tokenizer()
+    paris = tok.encode(" Paris", add_special_tokens=False)
+    r = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=3, temperature=0,
+                                  extra_body={"allowed_token_ids": paris})
+    assert r.choices[0].text == " Paris" * 3
+    ids = tok.encode("one two three four five six")
+    r = client.completions.create(model="smollm2", prompt=ids, max_tokens=2, temperature=0, echo=True,
+                                  extra_body={"truncate_prompt_tokens": 3})
+    assert r.usage.prompt_tokens == 3 and r.choices[0].text.startswith(tok.decode(ids[-3:]))
+    chat = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=1,
+                                          extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
+    for body, param in (({"allowed_token_ids": [10 ** 9]}, "allowed_token_ids"),
+                        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                        ({"use_beam_search": True}, None), ({"bad_words": ["x"]}, None)):
+        r = httpx.post(server.url + "/v1/completions", json={"model": "smollm2", "prompt": PROMPT, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(server.url + "/v1/completions", json={"model": "smollm2", "prompt": PROMPT, "max_tokens": 1,
+                                                         "not_a_field_here": 1})
+    assert r.status_code == 200  # ignored, as OpenAI's shape allows, and named in the server's log
+    assert "ignored the request's fields not_a_field_here" in server.output()
+
+
 def test_stop_sequences(client):
     full = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=30, temperature=0).choices[0].text
     stop = full.split()[3]

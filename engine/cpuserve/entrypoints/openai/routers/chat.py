@@ -13,7 +13,7 @@ from cpuserve.entrypoints.openai import tools as tl
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import ChatCompletionRequest, now, usage
 from cpuserve.entrypoints.openai.serving import (ServerState, constraint, generate, rendered, sampling_params,
-                                                  server_state)
+                                                  server_state, truncated)
 from cpuserve.entrypoints.openai.streaming import DeltaTracker, sse
 
 router = APIRouter()
@@ -25,6 +25,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     st.check_model(req.model)
     mode = tool_mode(req, st)
     ids = await asyncio.to_thread(render_conversation, req, st.tokenizer)  # off the event loop
+    ids = truncated(ids, req.truncate_prompt_tokens, st.engine.info.max_model_len)
     max_tokens = req.max_completion_tokens or req.max_tokens
     if max_tokens is None:
         max_tokens = max(1, st.engine.info.max_model_len - len(ids))

@@ -11,7 +11,8 @@ from cpuserve.engine.outputs import CompletionOutput, RequestOutput
 from cpuserve.entrypoints.openai import links
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import CompletionRequest, now, usage
-from cpuserve.entrypoints.openai.serving import ServerState, constraint, generate, sampling_params, server_state
+from cpuserve.entrypoints.openai.serving import (ServerState, constraint, generate, sampling_params, server_state,
+                                                  truncated)
 from cpuserve.entrypoints.openai.streaming import DeltaTracker, sse
 
 router = APIRouter()
@@ -23,6 +24,9 @@ async def completions(req: CompletionRequest, request: Request):
     st.check_model(req.model)
     refuse_unsupported(req)
     prompts = await asyncio.to_thread(tokenize_prompts, req.prompt, st.tokenizer)  # off the event loop
+    if req.truncate_prompt_tokens is not None:  # a cut prompt's text is its tokens' (echo decodes them)
+        cut = [truncated(ids, req.truncate_prompt_tokens, st.engine.info.max_model_len) for _, ids in prompts]
+        prompts = [(t if len(c) == len(ids) else None, c) for (t, ids), c in zip(prompts, cut)]
     spec = await constraint(req)
     # echo with logprobs: the prompt's logprobs too; max_tokens 0 runs one token, never shown
     params = sampling_params(req.sampling_params, max(1, req.max_tokens) if req.max_tokens is not None else None,

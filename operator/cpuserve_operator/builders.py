@@ -4,7 +4,7 @@ deterministic (server, spec hash, replica index) so that a reconcile that runs
 twice creates nothing twice."""
 from __future__ import annotations
 
-from cpuserve_operator.placement import GiB, Placement, ServerSpec
+from cpuserve_operator.placement import NODE_LOST_TOLERATIONS, GiB, Placement, ServerSpec
 
 GROUP, VERSION, PLURAL, KIND = "cpuserve.dev", "v1alpha1", "cpumodelservers", "CPUModelServer"
 L_SERVER, L_REPLICA, L_HASH = "cpuserve.dev/server", "cpuserve.dev/replica", "cpuserve.dev/spec-hash"
@@ -82,8 +82,7 @@ def _probe(port_name: str, **kw) -> dict:
 def tolerations(node_lost_grace_s: float) -> list[dict]:
     """The taint manager evicts the pod once its node has been NotReady or unreachable this
     long (the operator's grace for a lost node: both act at the same time, not at once)."""
-    return [{"key": f"node.kubernetes.io/{t}", "operator": "Exists", "effect": "NoExecute",
-             "tolerationSeconds": int(node_lost_grace_s)} for t in ("not-ready", "unreachable")]
+    return [{**t, "tolerationSeconds": int(node_lost_grace_s)} for t in NODE_LOST_TOLERATIONS]
 
 
 def fetched(spec: ServerSpec) -> str | None:
@@ -192,7 +191,7 @@ def build_pod(cr: dict, spec: ServerSpec, p: Placement, node_lost_grace_s: float
             "nodeName": p.slot.node,
             "nodeSelector": {"kubernetes.io/arch": p.arch, **dict(p.isa_labels)},
             "restartPolicy": "Always",
-            "tolerations": tolerations(node_lost_grace_s),
+            "tolerations": tolerations(node_lost_grace_s) + [dict(t) for t in spec.tolerations],
             "terminationGracePeriodSeconds": 30,
             # the engine image's user; the root filesystem stays read-only (cache and /tmp are volumes)
             "securityContext": {"seccompProfile": seccomp, "runAsNonRoot": True, "runAsUser": 1000,

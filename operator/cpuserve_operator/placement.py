@@ -41,6 +41,43 @@ class NumaNode:
 
 
 @dataclass(frozen=True)
+class Taint:
+    key: str
+    value: str = ""
+    effect: str = "NoSchedule"  # NoSchedule | PreferNoSchedule | NoExecute
+
+
+def tolerates(tol: dict, taint: Taint) -> bool:
+    """Whether a toleration (core/v1 Toleration) matches a taint, as the scheduler and the taint
+    manager read it: an empty key with Exists matches every key, Exists any value, Equal (the
+    default) the same value; an empty effect every effect."""
+    if tol.get("effect") and tol["effect"] != taint.effect:
+        return False
+    if tol.get("operator", "Equal") == "Exists":
+        return not tol.get("key") or tol["key"] == taint.key
+    return tol.get("key", "") == taint.key and tol.get("value", "") == taint.value
+
+
+# the taints of a node gone NotReady or unreachable, which every pod tolerates for the operator's
+# node-lost grace (builders.tolerations)
+NODE_LOST_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+NODE_LOST_TOLERATIONS = tuple({"key": k, "operator": "Exists", "effect": "NoExecute"} for k in NODE_LOST_TAINTS)
+
+
+# taints that mirror what the operator reads from the node itself: its Ready condition (with the
+# node-lost grace) and spec.unschedulable (cordoned); the node lifecycle controller sets them
+LIFECYCLE_TAINTS = NODE_LOST_TAINTS + ("node.kubernetes.io/unschedulable",)
+
+
+def untolerated(taints: tuple[Taint, ...], tolerations: tuple[dict, ...]) -> list[Taint]:
+    """The taints that keep a pod with these tolerations off a node: NoSchedule and NoExecute (the
+    operator binds pods by nodeName, past the scheduler, so it must honour them itself; the taint
+    manager would evict a pod on an untolerated NoExecute taint at once), but LIFECYCLE_TAINTS."""
+    return [t for t in taints if t.effect in ("NoSchedule", "NoExecute") and t.key not in LIFECYCLE_TAINTS
+            and not any(tolerates(x, t) for x in tolerations)]
+
+
+@dataclass(frozen=True)
 class Node:
     name: str
     arch: str
@@ -53,6 +90,7 @@ class Node:
     cpu_ids_known: bool = True     # False: counts only (NodeResourceTopology, nothing published)
     cpu_manager: str = ""          # the kubelet's CPU manager policy: static, none, or "" (not reported)
     topology_policy: str = ""      # its topology manager policy (single-numa-node, restricted, ...), "" unknown
+    taints: tuple[Taint, ...] = ()
 
     @property
     def lists_possible(self) -> bool:
@@ -90,6 +128,7 @@ class ServerSpec:
     model_path: str = ""           # image://: the model's directory or file inside the image
     model_sha256: str = ""         # http(s)://, s3://: the file's checksum, verified when fetched
     memory_gib: float | None = None  # the pod's memory as given (None: computed, see pod_memory)
+    tolerations: tuple[dict, ...] = ()  # placement.tolerations: the pods', and the tainted nodes they may use
 
     @property
     def ranks(self) -> int:
@@ -99,7 +138,8 @@ class ServerSpec:
         """What the pods are built from (not replicas, service or ingress): a change rolls the pods."""
         keys = ("model_source", "model_path", "model_sha256", "served_name", "size_gib", "dtype", "kv_cache_gib",
                 "overhead_gib", "memory_gib", "max_num_seqs", "max_model_len", "extra_args", "strategy", "tp", "reserved_cpus", "pinning", "required_isa",
-                "node_selector", "seccomp_type", "seccomp_localhost", "image", "pull_secrets", "pull_policy", "port")
+                "node_selector", "seccomp_type", "seccomp_localhost", "image", "pull_secrets", "pull_policy", "port",
+                "tolerations")
         blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True, default=list)
         return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
@@ -140,7 +180,7 @@ def parse_spec(name: str, spec: dict, default_image: str = DEFAULT_ENGINE_IMAGE)
         image=engine_image(img, default_image), pull_secrets=tuple(img.get("pullSecrets", [])),
         pull_policy=img.get("pullPolicy", "IfNotPresent"), service_type=svc.get("type", "ClusterIP"),
         port=int(svc.get("port", 8000)), ingress=ing, model_path=str(m.get("path", "")).strip("/"),
-        model_sha256=str(m.get("sha256", "")).lower())
+        model_sha256=str(m.get("sha256", "")).lower(), tolerations=tuple(p.get("tolerations", [])))
 
 
 # -- node topology from the API ------------------------------------------------------------------
@@ -187,8 +227,10 @@ def node_from_api(node: dict, nrt: dict | None = None) -> Node:
         known = False
         alloc = status.get("allocatable", {}) or {}
         numa = [NumaNode(0, tuple(range(int(_quantity(alloc.get("cpu", "0"))))), int(_quantity(alloc.get("memory", "0"))))]
+    taints = tuple(Taint(t.get("key", ""), t.get("value", "") or "", t.get("effect", "NoSchedule"))
+                   for t in (node.get("spec", {}) or {}).get("taints", []) or [])
     return Node(meta["name"], arch, tuple(sorted(numa, key=lambda n: n.id)), frozenset(isa), labels, ready,
-                schedulable, known, cpu_ids_known=TOPOLOGY_ANNOTATION in ann,
+                schedulable, known, cpu_ids_known=TOPOLOGY_ANNOTATION in ann, taints=taints,
                 cpu_manager=str(kubelet.get("cpuManagerPolicy", "")),
                 topology_policy=str(kubelet.get("topologyManagerPolicy", "")))
 
@@ -299,6 +341,10 @@ def eligible(node: Node, spec: ServerSpec) -> str | None:
         return "not Ready"
     if not node.schedulable:
         return "cordoned"
+    bad = untolerated(node.taints, spec.tolerations)
+    if bad:
+        return "taint " + ", ".join(f"{t.key}{'=' + t.value if t.value else ''}:{t.effect}" for t in bad) + \
+            " not tolerated (placement.tolerations)"
     have = {_isa_key(f) for f in node.isa}
     missing = [f for f in spec.required_isa if _isa_key(f) not in have]
     if missing:

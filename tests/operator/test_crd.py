@@ -42,6 +42,9 @@ def test_defaults_columns_and_scale(cluster):
     ("  replicas: -1", "spec.replicas"),
     ("  engine: {dtype: int4}", "Unsupported value: \"int4\""),
     ("  placement: {strategy: Sideways}", "Unsupported value: \"Sideways\""),
+    ("  placement: {tolerations: [{key: k, operator: Exists, value: v}]}", "a toleration with operator Exists takes no value"),
+    ("  placement: {tolerations: [{value: v}]}", "a toleration with an empty key needs operator Exists"),
+    ("  placement: {tolerations: [{key: k, effect: Sometimes}]}", "Unsupported value: \"Sometimes\""),
 ])
 def test_invalid_crs_are_refused_by_the_api_server(cluster, extra, message):
     r = apply(cluster, "crd-invalid", extra, check=False)

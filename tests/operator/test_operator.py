@@ -253,6 +253,27 @@ def test_tensor_parallel_pods(cluster, operator):
     cluster.kubectl("delete", "cms", "tp", "-n", NS)
 
 
+def test_tainted_nodes_only_for_servers_that_tolerate_them(cluster, operator):
+    """The operator binds pods by nodeName, so the scheduler never checks taints: a dedicated
+    node's NoSchedule taint keeps a server off it (the status says why) until the server tolerates it."""
+    add_node(cluster, "dedicated")
+    cluster.kubectl("label", "node", "dedicated", "pool=llm")
+    cluster.kubectl("taint", "node", "dedicated", "dedicated=llm:NoSchedule")
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "cpuserve.dev/v1alpha1", "kind": "CPUModelServer", "metadata": {"name": "tol", "namespace": NS},
+        "spec": {"model": {"source": "packaged://smollm2", "servedName": "smollm2"}, "engine": {"kvCacheGiB": 2},
+                 "placement": {"nodeSelector": {"pool": "llm"}}}}))
+    msg = wait_for(lambda: condition(cms(cluster, "tol"), "Ready").get("message", ""), 30, "a reason")
+    assert "dedicated: taint dedicated=llm:NoSchedule not tolerated" in msg and not pods(cluster, "tol")
+    tol = {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}
+    cluster.kubectl("patch", "cms", "tol", "-n", NS, "--type=merge", "-p",
+                    json.dumps({"spec": {"placement": {"tolerations": [tol]}}}))
+    (pod,) = wait_for(lambda: pods(cluster, "tol"), 30, "the pod on the tainted node")
+    assert pod["spec"]["nodeName"] == "dedicated" and tol in pod["spec"]["tolerations"]
+    cluster.kubectl("delete", "cms", "tol", "-n", NS)
+    cluster.kubectl("delete", "node", "dedicated")
+
+
 def test_two_replicas_on_two_numa_nodes_under_every_pinning(cluster, operator):
     """A two-NUMA-node machine per kubelet configuration (the agent's report of its CPU
     manager), a server per pinning mode: the two replicas always end on different NUMA nodes.

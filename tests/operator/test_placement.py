@@ -4,8 +4,8 @@ import json
 import pytest
 
 from cpuserve_operator import builders as b
-from cpuserve_operator.placement import (DEFAULT_ENGINE_IMAGE, GiB, Node, NumaNode, Slot, engine_image, node_from_api,
-                                        parse_spec, plan)
+from cpuserve_operator.placement import (DEFAULT_ENGINE_IMAGE, GiB, Node, NumaNode, Slot, Taint, engine_image,
+                                        node_from_api, parse_spec, plan, tolerates)
 
 
 def machine(name, numa=2, cpus_per_numa=16, mem_gib=64, smt=2, isa=(), labels=None, ready=True, arch="amd64"):
@@ -85,6 +85,49 @@ def test_eligibility_isa_selector_readiness():
     p = plan(spec(placement__nodeSelector={"pool": "llm"}, replicas=4), nodes)
     assert len(p.placements) == 2 and p.unplaced == 2 and "plain: label pool!=llm" in p.reason
     assert "down: not Ready" in p.reason
+
+
+@pytest.mark.parametrize("tol, taint, want", [
+    ({"key": "k", "value": "v", "effect": "NoSchedule"}, Taint("k", "v", "NoSchedule"), True),
+    ({"key": "k", "operator": "Equal", "value": "v"}, Taint("k", "v", "NoExecute"), True),  # no effect: every one
+    ({"key": "k", "value": "w"}, Taint("k", "v", "NoSchedule"), False),
+    ({"key": "k", "operator": "Exists", "effect": "NoSchedule"}, Taint("k", "anything", "NoSchedule"), True),
+    ({"key": "k", "operator": "Exists", "effect": "NoSchedule"}, Taint("k", "", "NoExecute"), False),
+    ({"operator": "Exists"}, Taint("any", "x", "NoExecute"), True),  # empty key with Exists: every taint
+    ({"key": "other", "operator": "Exists"}, Taint("k", "", "NoSchedule"), False),
+    ({"key": "k"}, Taint("k", "", "NoSchedule"), True),  # Equal to an empty value
+])
+def test_toleration_matches_taint_as_kubernetes_does(tol, taint, want):
+    assert tolerates(tol, taint) is want
+
+
+def test_taints_keep_pods_off_unless_tolerated():
+    """The operator binds pods by nodeName, past the scheduler's taint checks: it honours NoSchedule
+    and NoExecute taints itself (PreferNoSchedule does not keep it off, nor the node lifecycle's
+    own taints, which mirror the Ready condition it reads), and the pods carry the tolerations."""
+    cp = machine("cp")
+    cp = Node(cp.name, cp.arch, cp.numa, taints=(Taint("node-role.kubernetes.io/control-plane", "", "NoSchedule"),))
+    pool = machine("pool")
+    pool = Node(pool.name, pool.arch, pool.numa, taints=(Taint("dedicated", "llm", "NoExecute"),
+                                                         Taint("soft", "", "PreferNoSchedule"),
+                                                         Taint("node.kubernetes.io/not-ready", "", "NoSchedule")))
+    p = plan(spec(replicas=4), [cp, pool])
+    assert not p.placements and p.unplaced == 4
+    assert "cp: taint node-role.kubernetes.io/control-plane:NoSchedule not tolerated" in p.reason
+    assert "pool: taint dedicated=llm:NoExecute not tolerated" in p.reason
+    tol = [{"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoExecute"}]
+    s = spec(replicas=4, placement__tolerations=tol)
+    p = plan(s, [cp, pool])
+    assert {pl.slot.node for pl in p.placements} == {"pool"} and p.unplaced == 2
+    pod = b.build_pod(CR, s, p.placements[0], 300)
+    assert tol[0] in pod["spec"]["tolerations"]
+    assert {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
+            "tolerationSeconds": 300} in pod["spec"]["tolerations"]
+    assert s.hash() != spec(replicas=4).hash()  # new tolerations roll the pods
+    api = {"metadata": {"name": "t"}, "spec": {"taints": [{"key": "a", "effect": "NoExecute"},
+                                                          {"key": "b", "value": "c", "effect": "NoSchedule"}]},
+           "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+    assert node_from_api(api).taints == (Taint("a", "", "NoExecute"), Taint("b", "c", "NoSchedule"))
 
 
 def test_engine_pinning_lists_and_exclusive_slots():

@@ -100,7 +100,23 @@ def serve_arguments_problem(a: argparse.Namespace) -> str | None:
         return f"--drain-timeout must be >= 0 seconds, got {a.drain_timeout}"
     if a.enable_auto_tool_choice and not a.tool_call_parser:
         return "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)"
+    if a.chat_template is not None:
+        try:
+            a.chat_template = chat_template_text(a.chat_template)
+        except ValueError as e:
+            return str(e)
     return None
+
+
+def chat_template_text(value: str) -> str:
+    """--chat-template's template: the file it names, else the value itself where it is a Jinja
+    template; ValueError otherwise (a mistyped path must not become the template)."""
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -129,7 +145,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     api_key = a.api_key or os.environ.get("CPUSERVE_API_KEY") or os.environ.get("VLLM_API_KEY")
     parser = a.tool_call_parser if a.enable_auto_tool_choice else None
     return run(config, ServeOptions(a.host, a.port, a.served_model_name, api_key, a.max_waiting_requests,
-                                    a.max_request_body_bytes, a.drain_timeout, parser))
+                                    a.max_request_body_bytes, a.drain_timeout, parser, a.chat_template))
 
 
 def cmd_topology(a: argparse.Namespace) -> int:
@@ -270,6 +286,9 @@ def _add_serve(sub) -> None:
                    help='serve tool_choice "auto": find the calls the model writes (needs --tool-call-parser)')
     s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="the format the model writes tool calls in (Hermes/Qwen <tool_call>, Llama 3 JSON)")
+    s.add_argument("--chat-template", default=None,
+                   help="the chat template (a Jinja file, or the template itself) in place of the model's: "
+                        "for a model without one, or to override it (vLLM's --chat-template)")
     s.add_argument("--drain-timeout", type=float, default=25.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish while new ones get 503 "
                         "(keep it below the pod's terminationGracePeriodSeconds)")

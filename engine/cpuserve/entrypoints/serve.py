@@ -23,6 +23,7 @@ class ServeOptions:
     max_request_body_bytes: int = 16 << 20  # larger bodies get 413 before they are parsed
     drain_timeout: float = 25.0           # after SIGTERM, at most this long for in-flight requests
     tool_call_parser: str | None = None   # --enable-auto-tool-choice --tool-call-parser NAME
+    chat_template: str | None = None      # --chat-template: in place of the model's
 
 
 def draining_server(config, st, drain_timeout: float):
@@ -89,6 +90,8 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
         await serving
         await engine.shutdown()
         return 1
+    if opts.chat_template is not None:  # before any request is served (no await since start)
+        engine.tokenizer.chat_template = opts.chat_template
     log.info("serving %s on http://%s:%d/v1", name, opts.host, opts.port)
     try:
         await serving

@@ -19,6 +19,8 @@ def served(monkeypatch):
     (["--max-request-body-bytes", "0"], "--max-request-body-bytes must be >= 1, got 0"),
     (["--drain-timeout", "-1"], "--drain-timeout must be >= 0 seconds, got -1"),
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)"),
+    (["--chat-template", "no/such/template.jinja"],
+     "--chat-template 'no/such/template.jinja' is neither a file nor a Jinja template"),
 ])
 def test_bad_serve_options_are_refused_before_anything_loads(served, capsys, argv, message):
     with pytest.raises(SystemExit) as refused:
@@ -37,6 +39,15 @@ def test_serve_options_reach_the_server(served):
     assert (options.port, options.drain_timeout, options.max_request_body_bytes) == (8123, 5, 4096)
     assert options.tool_call_parser == "hermes"
     assert config.max_num_batched_tokens == cli.SERVE_BATCHED_TOKENS
+
+
+def test_chat_template_from_a_file_or_inline(served, tmp_path):
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
+    inline = "{{ messages[0].content }}"
+    assert cli.main(["serve", "--chat-template", str(f)]) == 0
+    assert cli.main(["serve", "--chat-template", inline]) == 0
+    assert [o.chat_template for _, o in served] == [f.read_text(), inline]
 
 
 def test_the_tool_parser_is_off_without_auto_tool_choice(served):

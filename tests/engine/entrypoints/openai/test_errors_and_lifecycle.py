@@ -151,6 +151,23 @@ def test_api_key_overload_and_body_limit():
         s.stop()
 
 
+def test_chat_template_given_at_start_renders_every_conversation(tmp_path):
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}[assistant] {% endif %}")
+    s = Server("--chat-template", str(f))
+    try:
+        msgs = [{"role": "user", "content": "Hi there"}]
+        got = httpx.post(s.url + "/tokenize", json={"messages": msgs}).json()["tokens"]
+        want = httpx.post(s.url + "/tokenize", json={"prompt": "[user] Hi there\n[assistant] ",
+                                                     "add_special_tokens": False}).json()["tokens"]
+        assert got == want
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2}, timeout=60).json()
+        assert r["usage"]["prompt_tokens"] == len(want)
+    finally:
+        s.stop()
+
+
 def test_engine_core_death_fails_requests_and_exits_nonzero():
     s = Server()
     try:

@@ -89,7 +89,6 @@ def rendered(req, tok, chat_template: str | None = None, **extra) -> str:
         raise APIError(400, msg if param != "messages" else f"chat template failed: {msg}", param=param) from None
 
 
-
 def truncated(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
     """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len's worth)."""
     if keep is None:

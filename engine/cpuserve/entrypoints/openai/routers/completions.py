@@ -27,6 +27,8 @@ async def completions(req: CompletionRequest, request: Request):
     if req.truncate_prompt_tokens is not None:  # a cut prompt's text is its tokens' (echo decodes them)
         cut = [truncated(ids, req.truncate_prompt_tokens, st.engine.info.max_model_len) for _, ids in prompts]
         prompts = [(t if len(c) == len(ids) else None, c) for (t, ids), c in zip(prompts, cut)]
+    if req.echo:  # the text echoed: token-id prompts decoded once here, not at every streamed token
+        prompts = [(st.tokenizer.decode(ids) if t is None else t, ids) for t, ids in prompts]
     spec = await constraint(req)
     # echo with logprobs: the prompt's logprobs too; max_tokens 0 runs one token, never shown
     params = sampling_params(req.sampling_params, max(1, req.max_tokens) if req.max_tokens is not None else None,
@@ -70,11 +72,11 @@ class Echo:
     on: bool = False
     prompt_only: bool = False
 
-    def shown(self, out: RequestOutput, c: CompletionOutput, tok) -> CompletionOutput:
-        """The choice as the client sees it."""
+    def shown(self, out: RequestOutput, c: CompletionOutput) -> CompletionOutput:
+        """The choice as the client sees it (an echoed request's prompt text is always given)."""
         if not self.on:
             return c
-        prompt = out.prompt if out.prompt is not None else tok.decode(out.prompt_token_ids)
+        prompt = out.prompt
         lps = None
         if c.logprobs is not None:
             lps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids))
@@ -117,8 +119,8 @@ class CompletionView:
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
     def final(self, base: str, outs: list[RequestOutput]) -> dict:
-        n, tok = self.params.n, self.st.tokenizer
-        shown = [(pi, self.echo.shown(out, c, tok)) for pi, out in enumerate(outs) for c in out.outputs]
+        n = self.params.n
+        shown = [(pi, self.echo.shown(out, c)) for pi, out in enumerate(outs) for c in out.outputs]
         choices = [{"index": pi * n + c.index, "text": c.text, "logprobs": self.logprobs(c, 0, len(c.token_ids), 0),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for pi, c in shown]
         return {**self.head(base), "choices": choices,
@@ -133,7 +135,7 @@ class CompletionView:
                 for c in out.outputs:
                     key = pi * self.params.n + c.index
                     generated[key] = self.echo.generated(c)
-                    c = self.echo.shown(out, c, self.st.tokenizer)
+                    c = self.echo.shown(out, c)
                     step = deltas.advance(key, c)
                     if step is None:
                         continue

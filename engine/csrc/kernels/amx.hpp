@@ -31,6 +31,7 @@ namespace cpuserve {
 namespace {
 
 constexpr int64_t kTilePairs = 16;  // k pairs a tile row holds (64 bytes)
+constexpr int64_t kAmxRows = 32;    // rows a micro-kernel step takes (two row tiles)
 static_assert(kNR == 32, "a panel is two 16-column tiles");
 
 static_assert(kBf16KAlign == 2 * kTilePairs, "bf16 weights packed in whole tiles (gemm.hpp packed_pairs)");
@@ -54,12 +55,27 @@ inline void amx_configure(int rows0, int rows1) {
   __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
 }
 
+// The output lines of the block a caller writes next (rows of a panel's kNR floats, two cache lines
+// each, `ld` bytes apart), which amx_panel fetches into L2 (prefetcht1) spread over its tile steps.
+// A tile store into lines in no nearer cache waits on each line's read for ownership, and the tiles
+// wait behind the store: a prefill's outputs (2,048 rows by up to 3,072 floats, 5-25 MiB) have left
+// the L2 since they were last written. Two threads, old and new in one binary taking turns, C on
+// line boundaries: 2,048 x 960 x 576 1,477 -> 1,657 GFLOP/s with C in L3, 1,141 -> 1,724 with C in
+// memory; x 3,072 x 576 2,247 -> 2,425 and 1,381 -> 1,975; x 576 x 1,536 2,177 -> 2,258 and
+// 1,576 -> 1,788. (The gated kernels write through buffers with vector stores: no gain there.)
+struct NextOut {
+  const void* p = nullptr;
+  int64_t ld = 0;
+  int rows = 0;
+};
+
 // Rows [0, mr) (mr <= 32, tiles configured for them) of A times one panel, both in 4-byte units
 // (bfloat16 pairs, or int8 quads on kInt8: tdpbssd's exact int32 sums), A's rows lda units apart,
 // the panel kNR columns of units a k row, over k4 units; into out (mr rows of 32 floats or int32,
-// ldo 4-byte units apart).
+// ldo 4-byte units apart), fetching `next`'s lines on the way.
 template <bool kTwo, bool kInt8>
-inline void amx_panel(const void* a, int64_t lda, const void* b, int64_t k4, void* out, int64_t ldo) {
+inline void amx_panel(const void* a, int64_t lda, const void* b, int64_t k4, void* out, int64_t ldo,
+                      const NextOut& next) {
   const char* ap = static_cast<const char*>(a);
   const char* bp = static_cast<const char*>(b);
   char* op = static_cast<char*>(out);
@@ -70,7 +86,12 @@ inline void amx_panel(const void* a, int64_t lda, const void* b, int64_t k4, voi
     _tile_zero(2);
     _tile_zero(3);
   }
-  for (int64_t q = 0; q < k4; q += kTilePairs) {
+  const char* np = static_cast<const char*>(next.p);
+  const int64_t steps = k4 / kTilePairs, lines = 2 * next.rows;
+  int64_t line = 0;
+  for (int64_t q = 0, step = 1; q < k4; q += kTilePairs, ++step) {
+    for (const int64_t until = lines * step / steps; line < until; ++line)
+      _mm_prefetch(np + (line >> 1) * next.ld + (line & 1) * 64, _MM_HINT_T1);
     _tile_loadd(4, ap + q * 4, lda * 4);
     _tile_loadd(6, bp + q * kRow, kRow);
     _tile_loadd(7, bp + q * kRow + 64, kRow);
@@ -104,17 +125,25 @@ inline void amx_panel(const void* a, int64_t lda, const void* b, int64_t k4, voi
 // one for this work item; 0 before the first); out's rows ldo units apart (a buffer's kNR).
 template <bool kInt8 = false>
 inline void amx_rows(int mr, const void* a, int64_t lda, const void* b, int64_t k4, void* out, int& shape,
-                     int64_t ldo = kNR) {
+                     int64_t ldo = kNR, const NextOut& next = {}) {
   if (shape != mr) {
     amx_configure(std::min(mr, 16), std::max(mr - 16, 0));
     shape = mr;
   }
-  if (mr > 16) amx_panel<true, kInt8>(a, lda, b, k4, out, ldo);
-  else amx_panel<false, kInt8>(a, lda, b, k4, out, ldo);
+  if (mr > 16) amx_panel<true, kInt8>(a, lda, b, k4, out, ldo, next);
+  else amx_panel<false, kInt8>(a, lda, b, k4, out, ldo, next);
+}
+
+// The block after rows [r, r + 32) of panel p in amx_gemm's order (the item's rows m0..m1 for each
+// of its panels p..p1), as lines of c (ldc floats a row) for amx_panel to fetch; none past the item.
+inline NextOut next_block(void* c, int64_t ldc, int64_t r, int64_t p, int64_t m0, int64_t m1, int64_t p1) {
+  if (r + kAmxRows >= m1) r = m0, ++p;
+  else r += kAmxRows;
+  if (p >= p1) return {};
+  return {static_cast<char*>(c) + (r * ldc + p * kNR) * 4, ldc * 4, static_cast<int>(std::min(kAmxRows, m1 - r))};
 }
 
 // Rows of a work item: row_tiles' blocks (gemm.hpp) rounded up to 32, run 32 (two row tiles) at a time.
-constexpr int64_t kAmxRows = 32;
 inline int64_t amx_row_block(int64_t m, int64_t panels) {
   const int64_t tiles = row_tiles(m, panels);
   return ((m + tiles - 1) / tiles + kAmxRows - 1) / kAmxRows * kAmxRows;
@@ -148,7 +177,8 @@ void amx_gemm(float* c, const float* af, const bf16x2* w, const float* bias, int
         // Without a bias, a whole panel's tiles go straight into C, not through the buffer and a
         // copy (the model's shapes, 512 and 2,048 rows, taking turns in one process: 1.1-1.3x).
         if (bias == nullptr && cols == kNR) {
-          amx_rows(mr, a + r * k2, k2, w + p * k2 * kNR, k2, c + r * ldc + col0, shape, ldc);
+          amx_rows(mr, a + r * k2, k2, w + p * k2 * kNR, k2, c + r * ldc + col0, shape, ldc,
+                   next_block(c, ldc, r, p, m0, m1, std::min(p1, n / kNR)));
           continue;
         }
         amx_rows(mr, a + r * k2, k2, w + p * k2 * kNR, k2, buf, shape);

@@ -135,10 +135,10 @@ void DecoderStack::run(const int64_t* ids, float* h, float* residual, bool resid
     unfused |= !fused_gate_up(L.gate_up);
   }
   const size_t T = static_cast<size_t>(m.tokens);
-  if (qkv_.size() < T * qkv_w) qkv_.resize(T * qkv_w);
-  if (attn_.size() < T * q_w) attn_.resize(T * q_w);
-  if (unfused && gate_up_.size() < T * 2 * inter_) gate_up_.resize(T * 2 * inter_);
-  if (act_.size() < T * inter_) act_.resize(T * inter_);
+  qkv_.reserve(T * qkv_w);
+  attn_.reserve(T * q_w);
+  if (unfused) gate_up_.reserve(T * 2 * inter_);
+  act_.reserve(T * inter_);
   bool first = !residual_valid;
   for (const DecoderLayerDesc& L : layers_) {
     layer(L, h, residual, first, m);

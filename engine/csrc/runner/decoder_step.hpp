@@ -6,6 +6,9 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <new>
 #include <vector>
 #include "../kernel_table.hpp"
 
@@ -13,6 +16,31 @@ namespace cpuserve {
 
 constexpr int kInt8Kind = 256;
 constexpr int kQDotKind = 512;  // + ggml type id: GGUF blocks on int8 dot products (kernels/qdot.hpp)
+
+// A step's float scratch (a projection's output, the next one's input) on a 64-byte (cache-line)
+// boundary, grown as steps need, its contents not kept across growth. glibc's malloc puts a large
+// block 16 bytes past a page, so each row segment of 32 floats a GEMM stores (an AMX tile row, a
+// panel's row of vector stores) touched three lines, not two: the AMX table's bfloat16 QKV GEMM of
+// 2,048 rows (2,048 x 960 x 576, two threads, its output in L3, taking turns in one binary) 1,150
+// GFLOP/s into a buffer 16 bytes past a line, 1,477 on one (x 3,072 x 576: 1,831 -> 2,247).
+class LineScratch {
+ public:
+  float* data() const { return p_.get(); }
+  void reserve(size_t n) {
+    if (n <= n_) return;
+    void* p = std::aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
+    if (p == nullptr) throw std::bad_alloc();
+    p_.reset(static_cast<float*>(p));
+    n_ = n;
+  }
+
+ private:
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  std::unique_ptr<float, Free> p_;
+  size_t n_ = 0;
+};
 
 struct LinearPart {
   const void* w;  // packed weight
@@ -113,7 +141,7 @@ class DecoderStack {
   int64_t table_rows_ = 0;
   const float* final_norm_ = nullptr;
   float final_eps_ = 0.f;
-  std::vector<float> qkv_, attn_, gate_up_, act_;
+  LineScratch qkv_, attn_, gate_up_, act_;
   bool timing_ = false;
   std::array<double, kStepParts> spent_{};
 };

@@ -45,6 +45,7 @@ class Sequence:
         # with params.prompt_logprobs: entry i for prompt token i, given the tokens before it (none
         # for the first), filled in as the prompt's chunks run
         self.prompt_logprobs: list[dict[int, float] | None] = [None]
+        self.prompt_ranks: list[int | None] = [None]  # each prompt token's rank, beside its entry
         self.output_text_len = 0           # set by the detokenizer when stop strings truncate
         self.generator = None              # per-sequence torch.Generator when seeded
         self.first_scheduled: float | None = None

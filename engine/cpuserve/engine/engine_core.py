@@ -121,11 +121,11 @@ class EngineCore:
         outputs = []
         for seq, tok, lp in zip(samplers, tokens, logprobs):
             # the prompt's logprobs, complete once the first token is sampled, go out with it
-            prompt_lps = seq.prompt_logprobs if seq.params.prompt_logprobs is not None and \
-                seq.num_output_tokens == 0 and seq.index == 0 else None
+            first = seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0 and seq.index == 0
             reason, stop_reason = self._append_token(seq, tok, lp)
             outputs.append(SeqOutput(seq.request_id, seq.index, tok, lp, reason, stop_reason, seq.num_prompt_tokens,
-                                     seq.num_cached_tokens, first_seen.get(seq.seq_id), prompt_lps))
+                                     seq.num_cached_tokens, first_seen.get(seq.seq_id),
+                                     seq.prompt_logprobs if first else None, seq.prompt_ranks if first else None))
             if reason is not None:
                 self._forget_if_done(seq.request_id)
         self.stats.count_step(prompt_tokens, decode_rows, sum(batch.num_tokens), time.perf_counter() - t0)

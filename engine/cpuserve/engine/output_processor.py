@@ -29,6 +29,7 @@ class RequestState:
     num_cached_tokens: int = 0
     queued_s: float | None = None
     prompt_logprobs: list | None = None
+    prompt_ranks: list | None = None
     final_only: bool = False  # an output only once every completion finished (the offline LLM)
 
     @property
@@ -70,7 +71,7 @@ class OutputProcessor:
             if out.queued_s is not None and st.queued_s is None:
                 st.queued_s = out.queued_s
             if out.prompt_logprobs is not None:
-                st.prompt_logprobs = out.prompt_logprobs
+                st.prompt_logprobs, st.prompt_ranks = out.prompt_logprobs, out.prompt_ranks
             if out.token_id is not None:
                 comp.token_ids.append(out.token_id)
                 if out.logprobs is not None:
@@ -108,4 +109,4 @@ class OutputProcessor:
                                  logprobs=list(c.logprobs) if st.params.logprobs is not None else None)
                 for i, c in enumerate(st.completions)]
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, st.finished, st.num_cached_tokens,
-                             st.queued_s, st.prompt_logprobs)
+                             st.queued_s, st.prompt_logprobs, st.prompt_ranks)

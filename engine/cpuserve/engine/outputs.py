@@ -31,6 +31,8 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs, once the first token is out: entry i for prompt token i
     # ({token id: logprob}, the token's own and the top N), None for the first
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # beside them, prompt token i's rank in its distribution (1: the most likely), None for the first
+    prompt_logprob_ranks: list[int | None] | None = None
 
 
 @dataclass
@@ -46,6 +48,7 @@ class SeqOutput:
     num_cached_tokens: int = 0
     queued_s: float | None = None          # arrival -> first scheduled, on the first output
     prompt_logprobs: list | None = None    # the prompt's logprobs (asked for), with the first token
+    prompt_ranks: list | None = None       # and its tokens' ranks
 
 
 STEP_KINDS = ("decode", "mixed", "prefill")

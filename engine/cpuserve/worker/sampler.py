@@ -71,18 +71,22 @@ def top_entry(row: torch.Tensor, token: int, n: int) -> dict[int, float]:
 
 def record_prompt_logprobs(logits: torch.Tensor, rows) -> None:
     """Appends each prompt token's logprobs (the raw model distribution, as vLLM's) to its sequence,
-    from the logits of input_batch.prompt_logprob_rows in order: a row at position p gives the entry
-    of prompt token p + 1. Only positions not yet recorded: a preempted sequence's recomputation
-    does not record them twice."""
+    and the token's rank in it (1: the most likely; 1 + the tokens more likely than it, as vLLM
+    counts), from the logits of input_batch.prompt_logprob_rows in order: a row at position p gives
+    the entry of prompt token p + 1. Only positions not yet recorded: a preempted sequence's
+    recomputation does not record them twice."""
     at = 0
     for r in rows:
         lps = torch.log_softmax(logits[at:at + r.count].float(), dim=-1)
         at += r.count
         seq, n = r.seq, r.seq.params.prompt_logprobs
+        toks = torch.tensor(seq.token_ids[r.pos + 1:r.pos + 1 + r.count])
+        ranks = ((lps > lps.gather(1, toks[:, None])).sum(-1) + 1).tolist()
         for i in range(r.count):
             pos = r.pos + i + 1
             if pos == len(seq.prompt_logprobs):
                 seq.prompt_logprobs.append(top_entry(lps[i], seq.token_ids[pos], n))
+                seq.prompt_ranks.append(ranks[i])
 
 
 class Sampler:

@@ -97,6 +97,10 @@ def test_prompt_logprobs_are_the_model_distribution_over_prompt_chunks():
             assert set(lps[i]) == set(top) | {prompt[i]}
             for tok, lp in lps[i].items():
                 assert math.isclose(lp, float(want[i - 1, tok]), abs_tol=1e-5)
+            own = want[i - 1, prompt[i]]  # its rank, up to logprobs within the two paths' rounding
+            lo, hi = int((want[i - 1] > own + 1e-5).sum()) + 1, int((want[i - 1] > own - 1e-5).sum()) + 1
+            assert lo <= out.prompt_logprob_ranks[i] <= hi
+        assert out.prompt_logprob_ranks[0] is None and len(out.prompt_logprob_ranks) == len(prompt)
 
 
 def test_prompt_logprobs_recorded_once_per_position():
@@ -109,6 +113,7 @@ def test_prompt_logprobs_recorded_once_per_position():
     record_prompt_logprobs(logits, [PromptRows(s, 0, 0, 2)])
     lsm = torch.log_softmax(logits, -1)
     assert s.prompt_logprobs == [None, {0: float(lsm[0, 0])}, {1: float(lsm[1, 1])}]
+    assert s.prompt_ranks == [None, 3, 2]  # 1 + the tokens strictly more likely (a tie shares the rank)
 
 
 def test_allowed_token_ids_are_all_that_is_sampled(llm_f32):

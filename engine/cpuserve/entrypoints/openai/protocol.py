@@ -77,6 +77,7 @@ class SamplingFields(RequestBody):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None   # vLLM's: only these may be sampled
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: the prompt's last k tokens (-1: max_model_len)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: each prompt token's logprob and the top k
     # vLLM's, not served here: a 400 when asked for, never an answer that ignored them
     use_beam_search: bool = False
     bad_words: list[str] | None = None
@@ -104,6 +105,12 @@ class SamplingFields(RequestBody):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         structured: GrammarSpec | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+        """The engine's parameters; prompt_logprobs: the top N an endpoint needs of the prompt besides
+        the request's own prompt_logprobs (completions' echo with logprobs), the larger taken."""
+        if self.prompt_logprobs is not None:
+            if self.stream:  # as vLLM: they would come only with the last chunk
+                raise ValueError("prompt_logprobs is not available with stream=true")
+            prompt_logprobs = max(self.prompt_logprobs, prompt_logprobs or 0)
         if self.use_beam_search:
             raise ValueError("use_beam_search is not supported: this server samples (greedy with temperature 0)")
         if self.bad_words:

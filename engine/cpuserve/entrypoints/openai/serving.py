@@ -99,6 +99,23 @@ def truncated(ids: list[int], keep: int | None, max_model_len: int) -> list[int]
     return ids[-(max_model_len if keep == -1 else keep):]
 
 
+def prompt_logprobs_json(out, top: int, tokenizer) -> list[dict | None]:
+    """vLLM's prompt_logprobs of a response: per prompt token None (the first) or {token id: {logprob,
+    rank, decoded_token}}, the prompt token's own entry first with its rank in the distribution, then
+    the `top` most likely (ranks 1..top); a logprob of -inf as -9999.0 (JSON has no infinities)."""
+    ranks = out.prompt_logprob_ranks or [None] * len(out.prompt_token_ids)
+    shown: list[dict | None] = []
+    for tid, entry, rank in zip(out.prompt_token_ids, out.prompt_logprobs or [], ranks):
+        if entry is None:
+            shown.append(None)
+            continue
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top]  # the entry's top N are the row's
+        listed = [(tid, entry[tid], rank)] + [(t, lp, r) for r, (t, lp) in enumerate(ranked, 1) if t != tid]
+        shown.append({str(t): {"logprob": max(lp, -9999.0), "rank": r, "decoded_token": tokenizer.decode([t])}
+                      for t, lp, r in listed})
+    return shown
+
+
 Prompt = tuple[str | None, list[int], SamplingParams]
 
 

@@ -92,6 +92,38 @@ def test_echo_with_prompt_logprobs(server, client, llm_f32):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
+def test_prompt_logprobs_on_both_endpoints(server, llm_f32):
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}}, the token's own entry first with its rank, then the top k ranked 1..k; on each
+    completions choice and on the chat answer; refused with stream, which would carry them nowhere."""
+    tok = llm_f32.get_tokenizer()
+    ids = tok.encode(PROMPT)
+    want = llm_f32.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=2,
+                                                                      prompt_logprobs=2))[0]
+    body = {"model": "smollm2", "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2, "n": 2}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    assert [c["prompt_logprobs"] for c in r["choices"]][0] == r["choices"][1]["prompt_logprobs"]
+    got = r["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    for i in range(1, len(ids)):
+        first, *top = got[i].items()
+        assert first[0] == str(ids[i]) and first[1]["rank"] == want.prompt_logprob_ranks[i]
+        assert abs(first[1]["logprob"] - want.prompt_logprobs[i][ids[i]]) < 1e-3
+        assert first[1]["decoded_token"] == tok.decode([ids[i]])
+        ranks = [e["rank"] for t, e in top]
+        assert ranks == sorted(ranks) and set(ranks) | {first[1]["rank"]} >= {1, 2}
+        assert len(got[i]) == (2 if first[1]["rank"] <= 2 else 3)
+    assert "prompt_logprobs" not in httpx.post(server.url + "/v1/completions", json={**body, "prompt_logprobs": None},
+                                               timeout=60).json()["choices"][0]
+    chat = {"model": "smollm2", "messages": CHAT, "max_tokens": 2, "prompt_logprobs": 0}
+    c = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).json()
+    assert c["prompt_logprobs"][0] is None and len(c["prompt_logprobs"]) == c["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in c["prompt_logprobs"][1:])
+    for path, req in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+        r = httpx.post(server.url + path, json={**req, "stream": True}, timeout=60)
+        assert r.status_code == 400 and "prompt_logprobs" in r.json()["error"]["message"]
+
+
 def test_continue_final_message_and_template_kwargs(server, client, llm_f32):
     """The last (assistant) message continued, as offline LLM.chat does it; chat_template_kwargs as
     template variables; their conflicts as 400s naming the field."""

@@ -12,8 +12,8 @@ from cpuserve.entrypoints.openai import links
 from cpuserve.entrypoints.openai import tools as tl
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import ChatCompletionRequest, now, usage
-from cpuserve.entrypoints.openai.serving import (ServerState, constraint, generate, rendered, sampling_params,
-                                                  server_state, truncated)
+from cpuserve.entrypoints.openai.serving import (ServerState, constraint, generate, prompt_logprobs_json, rendered,
+                                                  sampling_params, server_state, truncated)
 from cpuserve.entrypoints.openai.streaming import DeltaTracker, sse
 
 router = APIRouter()
@@ -37,7 +37,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                        "named function (the tool call's schema is the constraint)", param="tool_choice")
     params = sampling_params(req.sampling_params, max_tokens, top if req.logprobs else None, spec or enforced)
     view = ChatView(st, params, top, len(ids), bool(req.stream_options and req.stream_options.include_usage),
-                    mode)
+                    mode, req.prompt_logprobs)
     return await generate(request, [(None, ids, params)], view.stream, view.final, req.stream)
 
 
@@ -62,11 +62,12 @@ class ChatView:
     """Renders engine outputs as chat.completion objects, whole or as chunks."""
 
     def __init__(self, st: ServerState, params: SamplingParams, top: int, prompt_tokens: int, include_usage: bool,
-                 mode: str = "none"):
+                 mode: str = "none", prompt_top: int | None = None):
         self.st, self.params, self.top = st, params, top
         self.prompt_tokens, self.include_usage = prompt_tokens, include_usage
         self.created = now()
         self.mode = mode
+        self.prompt_top = prompt_top  # the request's prompt_logprobs: the answer carries the prompt's
 
     def tool_stream(self) -> tl.ToolStream:
         parser = tl.make_parser(self.st.tool_call_parser) if self.mode == "auto" else None
@@ -111,8 +112,10 @@ class ChatView:
             msg, reason = self.message(c)
             choices.append({"index": c.index, "message": msg, "logprobs": self.logprobs(c, 0, len(c.token_ids)),
                             "finish_reason": reason, "stop_reason": c.stop_reason})
+        extra = {} if self.prompt_top is None else \
+            {"prompt_logprobs": prompt_logprobs_json(out, self.prompt_top, self.st.tokenizer)}
         return {**self.head(base, "chat.completion"), "choices": choices,
-                "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
+                "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)), **extra}
 
     async def stream(self, base: str, items):
         head = self.head(base, "chat.completion.chunk")

@@ -11,8 +11,8 @@ from cpuserve.engine.outputs import CompletionOutput, RequestOutput
 from cpuserve.entrypoints.openai import links
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import CompletionRequest, now, usage
-from cpuserve.entrypoints.openai.serving import (ServerState, constraint, generate, sampling_params, server_state,
-                                                  truncated)
+from cpuserve.entrypoints.openai.serving import (ServerState, constraint, generate, prompt_logprobs_json,
+                                                  sampling_params, server_state, truncated)
 from cpuserve.entrypoints.openai.streaming import DeltaTracker, sse
 
 router = APIRouter()
@@ -34,7 +34,7 @@ async def completions(req: CompletionRequest, request: Request):
     params = sampling_params(req.sampling_params, max(1, req.max_tokens) if req.max_tokens is not None else None,
                              req.logprobs, spec, req.logprobs if req.echo else None)
     view = CompletionView(st, params, bool(req.stream_options and req.stream_options.include_usage),
-                          Echo(req.echo, req.max_tokens == 0))
+                          Echo(req.echo, req.max_tokens == 0), req.prompt_logprobs)
     return await generate(request, [(t, ids, params) for t, ids in prompts], view.stream, view.final, req.stream)
 
 
@@ -95,8 +95,10 @@ class CompletionView:
     """Renders engine outputs as text_completion objects, whole or as stream chunks.
     Choice index = prompt index * n + the completion's own index."""
 
-    def __init__(self, st: ServerState, params: SamplingParams, include_usage: bool, echo: Echo = Echo()):
+    def __init__(self, st: ServerState, params: SamplingParams, include_usage: bool, echo: Echo = Echo(),
+                 prompt_top: int | None = None):
         self.st, self.params, self.include_usage, self.echo = st, params, include_usage, echo
+        self.prompt_top = prompt_top  # the request's prompt_logprobs: each choice carries its prompt's
         self.created = now()
 
     def head(self, base: str) -> dict:
@@ -123,6 +125,10 @@ class CompletionView:
         shown = [(pi, self.echo.shown(out, c)) for pi, out in enumerate(outs) for c in out.outputs]
         choices = [{"index": pi * n + c.index, "text": c.text, "logprobs": self.logprobs(c, 0, len(c.token_ids), 0),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for pi, c in shown]
+        if self.prompt_top is not None:
+            prompts = [prompt_logprobs_json(o, self.prompt_top, self.st.tokenizer) for o in outs]
+            for (pi, _), choice in zip(shown, choices):
+                choice["prompt_logprobs"] = prompts[pi]
         return {**self.head(base), "choices": choices,
                 "usage": usage(sum(len(o.prompt_token_ids) for o in outs),
                                sum(self.echo.generated(c) for o in outs for c in o.outputs))}

@@ -77,6 +77,13 @@ def untolerated(taints: tuple[Taint, ...], tolerations: tuple[dict, ...]) -> lis
             and not any(tolerates(x, t) for x in tolerations)]
 
 
+def avoided(taints: tuple[Taint, ...], tolerations: tuple[dict, ...]) -> int:
+    """How many of a node's PreferNoSchedule taints these tolerations leave untolerated: the
+    scheduler's soft taints (its TaintToleration score counts them), which plan() honours by
+    filling such nodes' slots only after every node with fewer."""
+    return sum(1 for t in taints if t.effect == "PreferNoSchedule" and not any(tolerates(x, t) for x in tolerations))
+
+
 @dataclass(frozen=True)
 class Node:
     name: str
@@ -383,6 +390,7 @@ class _Survey:
     """The slots where a rank fits and no other server's pod runs, grouped by machine in name
     order, and why the rest were passed over (for the condition when replicas go unplaced)."""
     candidates: list[list[Slot]] = field(default_factory=list)
+    avoided: dict[str, int] = field(default_factory=dict)  # node -> untolerated PreferNoSchedule taints
     ineligible: list[str] = field(default_factory=list)
     too_small: list[str] = field(default_factory=list)
     no_cpu: list[str] = field(default_factory=list)
@@ -412,18 +420,24 @@ def _survey(spec: ServerSpec, nodes: list[Node], taken: dict[str, str]) -> _Surv
         ok = [s for s in node_slots(node, spec) if _slot_fits(node, s, spec, survey) and s.key not in taken]
         if ok:
             survey.candidates.append(ok)
+            survey.avoided[node.name] = avoided(node.taints, spec.tolerations)
     return survey
 
 
 def _assign(spec: ServerSpec, candidates: list[list[Slot]], current: dict[int, Slot], keep: set[str] | frozenset,
-            known: set[str]) -> dict[int, Slot]:
+            known: set[str], avoided: dict[str, int] | None = None) -> dict[int, Slot]:
     """Keeps each current placement that is still valid (or on a kept, known node), then fills the
-    other replicas round-robin over machines: every machine's first slot, then every second."""
+    other replicas round-robin over machines: every machine's first slot, then every second; the
+    machines with untolerated PreferNoSchedule taints (`avoided`) only after the others, fewest first."""
     valid = {s.key for group in candidates for s in group}
     placed = {i: s for i, s in current.items()
               if i < spec.replicas and (s.key in valid or (s.node in keep and s.node in known))}
     used = {s.key for s in placed.values()}
-    order = [g[depth] for depth in range(max(map(len, candidates), default=0)) for g in candidates if depth < len(g)]
+    avoided = avoided or {}
+    order = []
+    for tier in sorted({avoided.get(g[0].node, 0) for g in candidates}):
+        groups = [g for g in candidates if avoided.get(g[0].node, 0) == tier]
+        order += [g[depth] for depth in range(max(map(len, groups))) for g in groups if depth < len(g)]
     free = [s for s in order if s.key not in used]
     for i in range(spec.replicas):
         if i not in placed and free:
@@ -471,6 +485,6 @@ def plan(spec: ServerSpec, nodes: list[Node], taken: dict[str, str] | None = Non
     if one_node and candidates:
         home = next((s.node for s in current.values() if any(s in g for g in candidates)), None)
         candidates = [next((g for g in candidates if g[0].node == home), max(candidates, key=len))]
-    placed = _assign(spec, candidates, current, keep, set(by_name))
+    placed = _assign(spec, candidates, current, keep, set(by_name), survey.avoided)
     out = [_placement(i, slot, by_name[slot.node], spec) for i, slot in sorted(placed.items())]
     return Plan(out) if len(out) == spec.replicas else _shortfall(spec, out, survey)

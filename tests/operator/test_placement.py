@@ -8,6 +8,10 @@ from cpuserve_operator.placement import (DEFAULT_ENGINE_IMAGE, GiB, Node, NumaNo
                                         node_from_api, parse_spec, plan, tolerates)
 
 
+def tainted(node, *taints):
+    return Node(node.name, node.arch, node.numa, taints=tuple(taints))
+
+
 def machine(name, numa=2, cpus_per_numa=16, mem_gib=64, smt=2, isa=(), labels=None, ready=True, arch="amd64"):
     nodes = []
     for i in range(numa):
@@ -99,6 +103,22 @@ def test_eligibility_isa_selector_readiness():
 ])
 def test_toleration_matches_taint_as_kubernetes_does(tol, taint, want):
     assert tolerates(tol, taint) is want
+
+
+def test_prefer_no_schedule_nodes_are_filled_last():
+    """PreferNoSchedule is the scheduler's soft taint: its nodes take replicas only once the others
+    are full, the fewest such taints first; a toleration makes the node an equal again, and a
+    replica already there stays (the taint never evicts)."""
+    soft = Taint("spot", "", "PreferNoSchedule")
+    nodes = [tainted(machine("a"), soft, Taint("old", "", "PreferNoSchedule")), tainted(machine("b"), soft),
+             machine("c")]
+    p = plan(spec(replicas=5), nodes)
+    assert [pl.slot.key for pl in p.placements] == ["c/0", "c/1", "b/0", "b/1", "a/0"]
+    tol = [{"key": "spot", "operator": "Exists"}]
+    p = plan(spec(replicas=3, placement__tolerations=tol), nodes)
+    assert [pl.slot.key for pl in p.placements] == ["b/0", "c/0", "b/1"]
+    kept = plan(spec(replicas=2), nodes, current={0: Slot("a", (1,))})
+    assert [pl.slot.key for pl in kept.placements] == ["a/1", "c/0"]
 
 
 def test_taints_keep_pods_off_unless_tolerated():

@@ -257,10 +257,12 @@ void amx_i8gemm(float* c, const I8Rows& A, const I8Packed& W, const float* bias,
   const int64_t k4 = A.kp / 4, panels = i8_panels(n);
   amx_share(m, panels, m * n * A.kp, [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1, int& shape) {
     alignas(64) int32_t acc[kAmxRows * kNR];
+    const int64_t blocks = (m1 - m0 + kAmxRows - 1) / kAmxRows;
     for (int64_t p = p0; p < p1; ++p)
-      for (int64_t r = m0; r < m1; r += kAmxRows) {
+      for (int64_t r = m0, t = 0; r < m1; r += kAmxRows, ++t) {
         const int mr = static_cast<int>(std::min(kAmxRows, m1 - r));
-        amx_rows<true>(mr, A.q + r * A.kp, k4, W.q + p * A.kp * kI8NR, k4, acc, shape);
+        const Prefetch ahead = m1 - m0 <= kAmxAheadRows ? next_panel(W.q, p, panels, k4).slice(t, blocks) : Prefetch{};
+        amx_rows<true>(mr, A.q + r * A.kp, k4, W.q + p * A.kp * kI8NR, k4, acc, shape, kNR, {}, ahead);
         const int64_t c0 = p * kI8NR, c1 = std::min(n, c0 + kI8NR);
         for (int i = 0; i < mr; ++i)
           i8_out_row(A, r + i, acc + i * kNR, W.sums, W.scales, bias, c0, c1, c + (r + i) * ldc + c0, 0);
@@ -274,11 +276,16 @@ void amx_i8gemm_silu(float* act, const I8Rows& A, const I8Packed& W, int64_t m, 
   amx_share(m, pairs, 2 * m * f * A.kp, [&](int64_t m0, int64_t m1, int64_t j0, int64_t j1, int& shape) {
     alignas(64) int32_t ga[kAmxRows * kNR], ua[kAmxRows * kNR];
     alignas(64) float g[kNR], u[kNR];
+    const bool ahead = m1 - m0 <= kAmxAheadRows;
+    const int64_t blocks = (m1 - m0 + kAmxRows - 1) / kAmxRows;
     for (int64_t j = j0; j < j1; ++j)
-      for (int64_t r = m0; r < m1; r += kAmxRows) {
+      for (int64_t r = m0, t = 0; r < m1; r += kAmxRows, ++t) {
         const int mr = static_cast<int>(std::min(kAmxRows, m1 - r));
-        amx_rows<true>(mr, A.q + r * A.kp, k4, W.q + j * A.kp * kI8NR, k4, ga, shape);
-        amx_rows<true>(mr, A.q + r * A.kp, k4, W.q + (j + pairs) * A.kp * kI8NR, k4, ua, shape);
+        const Prefetch gate_next = ahead && j + 1 < pairs ? next_panel(W.q, j, pairs, k4).slice(t, blocks) : Prefetch{};
+        const Prefetch up_next = ahead && j + 1 < pairs ? next_panel(W.q, j + pairs, 2 * pairs, k4).slice(t, blocks)
+                                                        : Prefetch{};
+        amx_rows<true>(mr, A.q + r * A.kp, k4, W.q + j * A.kp * kI8NR, k4, ga, shape, kNR, {}, gate_next);
+        amx_rows<true>(mr, A.q + r * A.kp, k4, W.q + (j + pairs) * A.kp * kI8NR, k4, ua, shape, kNR, {}, up_next);
         const int64_t c0 = j * kI8NR, u0 = (j + pairs) * kI8NR;
         for (int i = 0; i < mr; ++i) {
           i8_out_row(A, r + i, ga + i * kNR, W.sums, W.scales, nullptr, c0, c0 + kI8NR, g, 0);

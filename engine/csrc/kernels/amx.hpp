@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 #include "activation.hpp"
 #include "gemm.hpp"
@@ -152,6 +153,14 @@ inline Prefetch next_panel(const void* w, int64_t p, int64_t panels, int64_t k4)
   return Prefetch::bytes(static_cast<const char*>(w) + (p + 1) * k4 * kNR * 4, k4 * kNR * 4);
 }
 
+// The next gate and up panels (j + 1 and j + 1 + pairs) as block t of `blocks` of a gated kernel's
+// item fetches them, where it fetches ahead at all; none after the last pair.
+inline std::pair<Prefetch, Prefetch> next_pair(const void* w, int64_t j, int64_t pairs, int64_t k4, int64_t t,
+                                               int64_t blocks, bool ahead) {
+  if (!ahead || j + 1 >= pairs) return {};
+  return {next_panel(w, j, pairs, k4).slice(t, blocks), next_panel(w, j + pairs, 2 * pairs, k4).slice(t, blocks)};
+}
+
 // The block after rows [r, r + 32) of panel p in amx_gemm's order (the item's rows m0..m1 for each
 // of its panels p..p1), as lines of c (ldc floats a row) for amx_panel to fetch; none past the item.
 inline NextOut next_block(void* c, int64_t ldc, int64_t r, int64_t p, int64_t m0, int64_t m1, int64_t p1) {
@@ -236,9 +245,7 @@ void amx_gemm_silu(float* act, const float* af, const bf16x2* w, int64_t m, int6
         const int64_t r1 = std::min(m1, r0 + kSiluRows);
         for (int64_t r = r0, t = 0; r < r1; r += kAmxRows, ++t) {
           const int mr = static_cast<int>(std::min(kAmxRows, r1 - r));
-          const Prefetch gate_next = ahead && j + 1 < pairs ? next_panel(w, j, pairs, k2).slice(t, blocks) : Prefetch{};
-          const Prefetch up_next = ahead && j + 1 < pairs ? next_panel(w, j + pairs, 2 * pairs, k2).slice(t, blocks)
-                                                          : Prefetch{};
+          const auto [gate_next, up_next] = next_pair(w, j, pairs, k2, t, blocks, ahead);
           amx_rows(mr, a + r * k2, k2, w + j * k2 * kNR, k2, gate + (r - r0) * kNR, shape, kNR, {}, gate_next);
           amx_rows(mr, a + r * k2, k2, w + (j + pairs) * k2 * kNR, k2, up + (r - r0) * kNR, shape, kNR, {}, up_next);
         }
@@ -281,9 +288,7 @@ void amx_i8gemm_silu(float* act, const I8Rows& A, const I8Packed& W, int64_t m, 
     for (int64_t j = j0; j < j1; ++j)
       for (int64_t r = m0, t = 0; r < m1; r += kAmxRows, ++t) {
         const int mr = static_cast<int>(std::min(kAmxRows, m1 - r));
-        const Prefetch gate_next = ahead && j + 1 < pairs ? next_panel(W.q, j, pairs, k4).slice(t, blocks) : Prefetch{};
-        const Prefetch up_next = ahead && j + 1 < pairs ? next_panel(W.q, j + pairs, 2 * pairs, k4).slice(t, blocks)
-                                                        : Prefetch{};
+        const auto [gate_next, up_next] = next_pair(W.q, j, pairs, k4, t, blocks, ahead);
         amx_rows<true>(mr, A.q + r * A.kp, k4, W.q + j * A.kp * kI8NR, k4, ga, shape, kNR, {}, gate_next);
         amx_rows<true>(mr, A.q + r * A.kp, k4, W.q + (j + pairs) * A.kp * kI8NR, k4, ua, shape, kNR, {}, up_next);
         const int64_t c0 = j * kI8NR, u0 = (j + pairs) * kI8NR;

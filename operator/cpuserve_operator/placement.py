@@ -425,18 +425,18 @@ def _survey(spec: ServerSpec, nodes: list[Node], taken: dict[str, str]) -> _Surv
 
 
 def _assign(spec: ServerSpec, candidates: list[list[Slot]], current: dict[int, Slot], keep: set[str] | frozenset,
-            known: set[str], avoided: dict[str, int] | None = None) -> dict[int, Slot]:
+            known: set[str], soft: dict[str, int] | None = None) -> dict[int, Slot]:
     """Keeps each current placement that is still valid (or on a kept, known node), then fills the
     other replicas round-robin over machines: every machine's first slot, then every second; the
-    machines with untolerated PreferNoSchedule taints (`avoided`) only after the others, fewest first."""
+    machines with untolerated PreferNoSchedule taints (`soft`: how many) only after the others, fewest first."""
     valid = {s.key for group in candidates for s in group}
     placed = {i: s for i, s in current.items()
               if i < spec.replicas and (s.key in valid or (s.node in keep and s.node in known))}
     used = {s.key for s in placed.values()}
-    avoided = avoided or {}
+    soft = soft or {}
     order = []
-    for tier in sorted({avoided.get(g[0].node, 0) for g in candidates}):
-        groups = [g for g in candidates if avoided.get(g[0].node, 0) == tier]
+    for tier in sorted({soft.get(g[0].node, 0) for g in candidates}):
+        groups = [g for g in candidates if soft.get(g[0].node, 0) == tier]
         order += [g[depth] for depth in range(max(map(len, groups))) for g in groups if depth < len(g)]
     free = [s for s in order if s.key not in used]
     for i in range(spec.replicas):

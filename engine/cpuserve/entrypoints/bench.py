@@ -157,8 +157,9 @@ def kernel_gflops(dtype: torch.dtype | str, m: int, k: int, n: int, repeats: int
 def arith_peaks() -> dict:
     """The arithmetic peak in GFLOP/s of the instructions the float32 and bfloat16 GEMMs run on
     (ops.peak_gflops: multiply-add chains in registers on every thread): float32 FMAs, and for
-    bfloat16 the pair dot products where this CPU's kernels multiply pairs, else the same FMAs
-    (bfloat16 weights widened to float32 in registers)."""
+    bfloat16 the pair dot products where this CPU's kernels multiply pairs (tile dot products on
+    the amx table, whose bfloat16 GEMMs run on AMX tiles), else the same FMAs (bfloat16 weights
+    widened to float32 in registers)."""
     from cpuserve.model_executor import ops
 
     fma = ops.peak_gflops(False)

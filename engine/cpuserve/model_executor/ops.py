@@ -60,7 +60,8 @@ def read_sum(x: torch.Tensor, k=KERNELS) -> float:
 def peak_gflops(pairs: bool = False, seconds: float = 0.05, repeats: int = 3, k=KERNELS) -> float | None:
     """The arithmetic peak in GFLOP/s (best of `repeats` runs of about `seconds`): independent
     multiply-add chains in registers on every thread, float FMAs or, with `pairs`, the bfloat16
-    pair dot products that this table's bfloat16 GEMMs run on (None where it has none)."""
+    pair dot products that this table's bfloat16 GEMMs run on (AMX tile dot products on the amx
+    table; None where it has none)."""
     if k.peak_flops(pairs, 1) < 0:
         return None
     t0 = time.perf_counter()

@@ -514,8 +514,9 @@ TEST(GreedyHead, SameTokenAsFloat32GemmArgmaxEveryTable) {
 
 // The arithmetic peak probe (kernels/peak.hpp) counts every thread's chains: its FLOPs double
 // with its steps and grow with the threads, and only the tables with bf16 pair dot products
-// (avx512_bf16, amx) run pairs, counted as two multiply-adds a lane. NEON and VXE run it under
-// qemu in the cross builds.
+// (avx512_bf16, amx) run pairs, counted as two multiply-adds a lane; amx's bfloat16 probe runs on
+// tiles, four 16 x 16 x 32 tile dot products a step. NEON and VXE run it under qemu in the cross
+// builds.
 TEST(Peak, FlopsCountEveryThreadsChainsEveryTable) {
   std::vector<const KernelTable*> tables = vector_tables();
   tables.push_back(table_scalar());
@@ -528,8 +529,14 @@ TEST(Peak, FlopsCountEveryThreadsChainsEveryTable) {
     omp_set_num_threads(3);
     EXPECT_EQ(3 * one, tab->peak_flops(false, 1000)) << tab->isa;
     omp_set_num_threads(1);
-    const bool pairs = std::strcmp(tab->isa, "avx512_bf16") == 0 || std::strcmp(tab->isa, "amx") == 0;
-    EXPECT_EQ(pairs ? 2 * one : -1.0, tab->peak_flops(true, 1000)) << tab->isa;
+    const bool amx = std::strcmp(tab->isa, "amx") == 0;
+    const bool pairs = std::strcmp(tab->isa, "avx512_bf16") == 0 || amx;
+    EXPECT_EQ(amx ? 1000.0 * 4 * 16 * 16 * 32 * 2 : pairs ? 2 * one : -1.0, tab->peak_flops(true, 1000)) << tab->isa;
+    if (amx) {
+      omp_set_num_threads(2);
+      EXPECT_EQ(2 * 1000.0 * 4 * 16 * 16 * 32 * 2, tab->peak_flops(true, 1000));
+      omp_set_num_threads(1);
+    }
   }
   omp_set_num_threads(before);
 }

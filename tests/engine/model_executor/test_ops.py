@@ -527,11 +527,13 @@ def test_read_sum(kern, n):
 
 def test_peak_flops_counts_every_threads_chains(kern):
     """The arithmetic peak probe's FLOPs: linear in its steps, a pair dot product counted as two
-    multiply-adds, pairs only on the tables whose bfloat16 GEMMs multiply pairs."""
+    multiply-adds, pairs only on the tables whose bfloat16 GEMMs multiply pairs; on the amx table,
+    whose bfloat16 GEMMs run on tiles, a step is four tile dot products of 16 x 16 x 32."""
     one, two = kern.peak_flops(False, 1000), kern.peak_flops(False, 2000)
     assert one > 0 and two == 2 * one
     pairs = kern.isa in ("avx512_bf16", "amx")
-    assert kern.peak_flops(True, 1000) == (2 * one if pairs else -1)
+    want = 1000 * 4 * 16 * 16 * 32 * 2 * _C.omp_max_threads() if kern.isa == "amx" else 2 * one
+    assert kern.peak_flops(True, 1000) == (want if pairs else -1)
     assert ops.peak_gflops(False, seconds=0.005, repeats=1, k=kern) > 0
     assert (ops.peak_gflops(True, seconds=0.005, repeats=1, k=kern) is None) == (not pairs)
 

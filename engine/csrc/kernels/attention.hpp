@@ -47,7 +47,8 @@ constexpr bool kAmxAttention = true;
 #else
 constexpr bool kAmxAttention = false;
 #endif
-constexpr int64_t kAmxKeys = 32;  // keys an AMX values step takes (16 pairs)
+constexpr int64_t kAmxKeys = 32;         // keys an AMX values step takes (16 pairs)
+constexpr int64_t kAmxStepBlocks = 16;  // blocks an online softmax step on AMX tiles takes at most
 
 // How a call computes its blocks: float tiles widened in registers (direct), widened into float
 // buffers first (widen: float8 or scaled caches), bfloat16 pair dot products (pairs), or AMX tiles
@@ -887,9 +888,10 @@ inline void amx_attention_rows(int mr, const TileScratch& t) {
 }
 
 // s[i][c * 16, c * 16 + 16) = q_i . k over key vectors c in [c_lo, c_hi], for the configured rows
-// i of q (rows d bfloat16 apart), keys kp paired over e ([d / 2][bs]); s's rows bs floats apart.
+// i of q (rows d bfloat16 apart), keys kp paired over e ([d / 2][kbs]); s's rows ss floats apart.
 // Each score: d / 32 tile steps over e in order from zero.
-inline void amx_scores(const bf16* q, int64_t d, const bf16x2* kp, int64_t bs, int64_t c_lo, int64_t c_hi, float* s) {
+inline void amx_scores(const bf16* q, int64_t d, const bf16x2* kp, int64_t kbs, int64_t c_lo, int64_t c_hi, float* s,
+                       int64_t ss) {
   for (int64_t c = c_lo; c <= c_hi; c += 4) {
     const int64_t nc = std::min<int64_t>(4, c_hi + 1 - c);
     _tile_zero(0);
@@ -898,44 +900,49 @@ inline void amx_scores(const bf16* q, int64_t d, const bf16x2* kp, int64_t bs, i
     _tile_zero(3);
     for (int64_t e = 0; e < d / 2; e += kTilePairs) {
       _tile_loadd(4, q + 2 * e, d * 2);
-      const bf16x2* k = kp + e * bs + c * VecF::N;
-      _tile_loadd(6, k, bs * 4);
+      const bf16x2* k = kp + e * kbs + c * VecF::N;
+      _tile_loadd(6, k, kbs * 4);
       _tile_dpbf16ps(0, 4, 6);
       if (nc > 1) {
-        _tile_loadd(7, k + 16, bs * 4);
+        _tile_loadd(7, k + 16, kbs * 4);
         _tile_dpbf16ps(1, 4, 7);
       }
       if (nc > 2) {
-        _tile_loadd(6, k + 32, bs * 4);
+        _tile_loadd(6, k + 32, kbs * 4);
         _tile_dpbf16ps(2, 4, 6);
       }
       if (nc > 3) {
-        _tile_loadd(7, k + 48, bs * 4);
+        _tile_loadd(7, k + 48, kbs * 4);
         _tile_dpbf16ps(3, 4, 7);
       }
     }
     float* o = s + c * VecF::N;
-    _tile_stored(0, o, bs * 4);
-    if (nc > 1) _tile_stored(1, o + 16, bs * 4);
-    if (nc > 2) _tile_stored(2, o + 32, bs * 4);
-    if (nc > 3) _tile_stored(3, o + 48, bs * 4);
+    _tile_stored(0, o, ss * 4);
+    if (nc > 1) _tile_stored(1, o + 16, ss * 4);
+    if (nc > 2) _tile_stored(2, o + 32, ss * 4);
+    if (nc > 3) _tile_stored(3, o + 48, ss * 4);
   }
 }
 
-// Where a values step's B tiles come from: the value tile itself for a step of keys all inside
-// [lo, hi], else the step's masked copy in `edge` (the same offsets).
+// Where a step's values steps' B tiles come from: the value tile of the step's block holding them
+// for a step of keys all inside [lo, hi] (relative to the step's first key), else its masked copy
+// in `edge`: the step's first values step at edge[0], its last at edge[16 * d] (the same at
+// edge[0] where they are one).
 struct AmxValues {
-  const bf16x2 *tile, *edge;
-  int64_t lo, hi;
+  const bf16x2* const* tiles;  // the step's blocks' value tiles, paired over keys
+  const bf16x2* edge;
+  int64_t bs, lo, hi, j_first;
+  bool inside(int64_t j) const { return j >= lo && j + kAmxKeys - 1 <= hi; }
   const bf16x2* step(int64_t j, int64_t d) const {
-    return (j >= lo && j + kAmxKeys - 1 <= hi ? tile : edge) + j / 2 * d;
+    if (inside(j)) return tiles[j / bs] + j % bs / 2 * d;
+    return edge + (j == j_first ? 0 : kAmxKeys / 2 * d);
   }
 };
 
 // acc_i[0, d) += p_i[j0, j1) . v[j0, j1) for the configured rows i (acc's rows d floats apart,
-// p's bfloat16 rows bs apart); j0, j1 whole steps of 32 keys. Each element: its accumulator
+// p's bfloat16 rows ps apart); j0, j1 whole steps of 32 keys. Each element: its accumulator
 // loaded, one tile step a 32 keys in key order, stored.
-inline void amx_values(float* acc, int64_t d, const bf16* p, int64_t bs, const AmxValues& vs, int64_t j0, int64_t j1) {
+inline void amx_values(float* acc, int64_t d, const bf16* p, int64_t ps, const AmxValues& vs, int64_t j0, int64_t j1) {
   for (int64_t e0 = 0; e0 < d; e0 += 64) {
     const int64_t ne = std::min<int64_t>(4, (d - e0) / 16);
     float* o = acc + e0;
@@ -944,7 +951,7 @@ inline void amx_values(float* acc, int64_t d, const bf16* p, int64_t bs, const A
     if (ne > 2) _tile_loadd(2, o + 32, d * 4);
     if (ne > 3) _tile_loadd(3, o + 48, d * 4);
     for (int64_t j = j0; j < j1; j += kAmxKeys) {
-      _tile_loadd(5, p + j, bs * 2);
+      _tile_loadd(5, p + j, ps * 2);
       const bf16x2* v = vs.step(j, d) + e0;
       _tile_loadd(6, v, d * 4);
       _tile_dpbf16ps(0, 5, 6);
@@ -985,36 +992,56 @@ inline void amx_softmax_rows(const AttnShape& s, const TileScratch& t, const Blo
   for (int r = 0; r < mr; ++r) zero_unseen_probabilities(lo[r], hi[r], j0, j1, t.pb + (m0 + r) * s.bs);
 }
 
-// One block of a work item on tiles: the steps of 32 keys that hold keys outside [blk_lo, blk_hi]
-// copied with those zeroed (vbuf), then in chunks of 16 (row, head)s the scores, each one's online
-// softmax step and the values, the tiles read in place.
-inline void attend_block_amx(const AttnShape s, const TileScratch& t, const BlockView b, const bf16* kt,
-                             const bf16* vt) {
-  const int64_t d = s.d, bs = s.bs, n_rows = b.rows * b.ng;
+// The blocks of one online softmax step on tiles (up to kAmxStepBlocks of a sequence's blocks, in
+// key order: amx_step_blocks): their key and value tiles.
+struct AmxStep {
+  const bf16* kt[kAmxStepBlocks];
+  const bf16* vt[kAmxStepBlocks];
+  int64_t n;
+};
+
+// One online softmax step of a work item on tiles, over the keys of st's blocks (b: the step's view,
+// its keys relative to the step's first, rows of scores and probabilities st.n * bs apart): the
+// values steps of 32 keys that hold keys outside [blk_lo, blk_hi] copied with those zeroed (vbuf),
+// then in chunks of 16 (row, head)s the scores block by block, each one's softmax step over all of
+// them and the values, the tiles read in place.
+inline void attend_step_amx(const AttnShape s, const TileScratch& t, const BlockView b, const AmxStep& st) {
+  const int64_t d = s.d, bs = s.bs, w = st.n * bs, n_rows = b.rows * b.ng;
+  AttnShape ws = s;  // the step as one block, for the softmax's rows
+  ws.bs = w;
   const int64_t j0 = b.blk_lo / kAmxKeys * kAmxKeys, j1 = (b.blk_hi / kAmxKeys + 1) * kAmxKeys;
-  const MaskedPairs masked{pairs_of(vt), d, b.blk_lo, b.blk_hi};
-  const AmxValues vs{pairs_of(vt), reinterpret_cast<const bf16x2*>(t.vbuf), b.blk_lo, b.blk_hi};
-  auto copy_edge = [&](int64_t j) {
-    if (vs.step(j, d) != vs.edge + j / 2 * d) return;
-    for (int64_t r = j / 2; r < (j + kAmxKeys) / 2; ++r)
-      for (int64_t e = 0; e < d; e += VecF::N) masked.at(r, e).store(t.vbuf + r * d + e);
+  const bf16x2* vtiles[kAmxStepBlocks];
+  for (int64_t g = 0; g < st.n; ++g) vtiles[g] = pairs_of(st.vt[g]);
+  const AmxValues vs{vtiles, reinterpret_cast<const bf16x2*>(t.vbuf), bs, b.blk_lo, b.blk_hi, j0};
+  auto copy_edge = [&](int64_t j, int64_t slot) {
+    if (vs.inside(j)) return;
+    const int64_t g = j / bs, r0 = j % bs / 2;
+    const MaskedPairs masked{vtiles[g], d, b.blk_lo - g * bs, b.blk_hi - g * bs};
+    for (int64_t r = 0; r < kAmxKeys / 2; ++r)
+      for (int64_t e = 0; e < d; e += VecF::N) masked.at(r0 + r, e).store(t.vbuf + (slot * kAmxKeys / 2 + r) * d + e);
   };
-  copy_edge(j0);
-  if (j1 - kAmxKeys != j0) copy_edge(j1 - kAmxKeys);
+  copy_edge(j0, 0);
+  if (j1 - kAmxKeys != j0) copy_edge(j1 - kAmxKeys, 1);
   // Each step for every chunk before the next step: going from tile code to vector code or back
   // costs about 250 cycles a time here (not a data dependence: the same with the buffers apart),
   // and the steps taken chunk by chunk made 6 such turns a block of a 48-row item where these make
   // 2 (the real block steps on one hot block: 5.2 -> 4.65 us for 48 rows; a 2,048-token
   // prefill's attention, old and new in one binary in turns: 0.85-0.89x, 1 and 2 threads).
   auto rows_of = [&](int64_t m0) { return static_cast<int>(std::min<int64_t>(16, n_rows - m0)); };
+  const int64_t vpb = bs / VecF::N;  // key vectors a block
   for (int64_t m0 = 0; m0 < n_rows; m0 += 16) {
     amx_attention_rows(rows_of(m0), t);
-    amx_scores(t.qb + m0 * d, d, pairs_of(kt), bs, b.c_lo, b.c_hi, t.sblk + m0 * bs);
+    for (int64_t g = 0; g < st.n; ++g) {
+      const int64_t c_lo = std::max(b.c_lo, g * vpb), c_hi = std::min(b.c_hi, g * vpb + vpb - 1);
+      if (c_lo <= c_hi)
+        amx_scores(t.qb + m0 * d, d, pairs_of(st.kt[g]), bs, c_lo - g * vpb, c_hi - g * vpb,
+                   t.sblk + m0 * w + g * bs, w);
+    }
   }
-  for (int64_t m0 = 0; m0 < n_rows; m0 += 16) amx_softmax_rows(s, t, b, m0, rows_of(m0), j0, j1);
+  for (int64_t m0 = 0; m0 < n_rows; m0 += 16) amx_softmax_rows(ws, t, b, m0, rows_of(m0), j0, j1);
   for (int64_t m0 = 0; m0 < n_rows; m0 += 16) {
     amx_attention_rows(rows_of(m0), t);
-    amx_values(t.acc + m0 * d, d, t.pb + m0 * bs, bs, vs, j0, j1);
+    amx_values(t.acc + m0 * d, d, t.pb + m0 * w, w, vs, j0, j1);
   }
 }
 #endif  // __AMX_BF16__
@@ -1043,17 +1070,13 @@ inline bool attend_in_place(const AttnShape s, const TileScratch& t, const Block
   return false;
 }
 
-// One block of a work item (the cache tile at `tile`) on its dtype's path.
+// One block of a work item (the cache tile at `tile`) on its dtype's path (but AMX tiles: their
+// steps take several blocks, attend_amx_step).
 template <typename T>
 inline void attend_tile_block(const AttnArgs<T>& a, const TileScratch& t, const BlockView& b, int64_t tile,
                               AttnPath path) {
   const T* kt = a.k_cache + tile;
   const T* vt = a.v_cache + tile;
-#ifdef __AMX_BF16__
-  if constexpr (std::is_same_v<T, bf16>) {
-    if (path == AttnPath::amx) return attend_block_amx(a, t, b, kt, vt);
-  }
-#endif
   if (attend_in_place(a, t, b, kt, vt, path)) return;
   // float8, or scaled: widened to float once per block
   const int64_t d = a.d, bs = a.bs;
@@ -1186,11 +1209,15 @@ inline void fetch_block(const AttnArgs<T>& a, const AttnItem& w, int64_t blk, in
   for (int64_t b = 0; b < (n + per - 1) / per * per * a.d * sz; b += 64) prefetch_l2(v + b);
 }
 
-// Fetches the block a thread reads after block blk of item w: w's next one, or the first of `next`.
+// Fetches the blocks a thread reads after those before block `from` of item w: w's [from, to), or
+// the first of `next` where w has none left.
 template <typename T>
-inline void fetch_after(const AttnArgs<T>& a, const AttnItem& w, const ItemSpan& sp, int64_t blk,
+inline void fetch_after(const AttnArgs<T>& a, const AttnItem& w, const ItemSpan& sp, int64_t from, int64_t to,
                         const AttnItem* next) {
-  if (blk + 1 < sp.end_blk) return fetch_block(a, w, blk + 1, sp.last_pos);
+  if (from < sp.end_blk) {
+    for (int64_t blk = from; blk < to; ++blk) fetch_block(a, w, blk, sp.last_pos);
+    return;
+  }
   if (next == nullptr) return;
   const ItemSpan nx = ItemSpan::of(a, *next);
   fetch_block(a, *next, nx.first_blk, nx.last_pos);
@@ -1220,23 +1247,70 @@ inline bool fetches_ahead(const AttnArgs<T>& a, AttnPath path, int64_t n_rows) {
 }
 inline bool claims_ahead(AttnPath path, int64_t n_rows) { return path == AttnPath::amx && few_rows(n_rows); }
 
-// One work item: its rows and heads through the sequence's blocks in order (a partition item:
-// its partition's), each partition merged into the total at its end, the block after each fetched
-// where fetches_ahead says (`next`: the item this thread takes next, if claimed).
+// Keys an online softmax step on AMX tiles takes: whole blocks, as many as fit (up to
+// kAmxStepBlocks, the partition's blocks a whole number of steps), where every other path takes one
+// block a step. Its turns between tile and vector code, its accumulators' loads and stores and its
+// softmax's reductions come once a step: a 2,048-token prefill's attention on the Xeon with AMX
+// (two threads, the builds in one binary taking turns, medians of 11) 0.83-0.88x the time with
+// 512-key steps against 128 (the engine's block size), 0.92x with 256; 1,024 no better than 512.
+constexpr int64_t kAmxStepKeys = 512;
+inline int64_t amx_step_blocks(int64_t bs) {
+  const int64_t pb = partition_blocks(bs);
+  int64_t g = std::clamp<int64_t>(kAmxStepKeys / bs, 1, std::min(pb, kAmxStepBlocks));
+  while (pb % g) --g;
+  return g;
+}
+
+// The end of the step that starts at block blk (of a sequence's blocks [.., end_blk)): steps of
+// `per` blocks counted from each partition's first, so that a row's steps depend only on its
+// position, whatever the item, the prefill's chunking or the batch that brings it.
+inline int64_t step_end(int64_t blk, int64_t end_blk, int64_t pb, int64_t per) {
+  const int64_t p0 = blk / pb * pb;
+  return std::min({end_blk, p0 + pb, p0 + ((blk - p0) / per + 1) * per});
+}
+
+// The blocks [blk, end) of work item w through one step on tiles (attend_step_amx).
+template <typename T>
+inline void attend_amx_step(const AttnArgs<T>& a, const TileScratch& t, const AttnItem& w, const ItemSpan& sp,
+                            int64_t blk, int64_t end) {
+#ifdef __AMX_BF16__
+  if constexpr (std::is_same_v<T, bf16>) {
+    AmxStep st;
+    st.n = end - blk;
+    for (int64_t g = 0; g < st.n; ++g) {
+      st.kt[g] = a.k_cache + tile_offset(a, w, blk + g);
+      st.vt[g] = a.v_cache + tile_offset(a, w, blk + g);
+    }
+    AttnShape ws = a;
+    ws.bs = st.n * a.bs;
+    attend_step_amx(a, t, BlockView::at(w.rows, w.g1 - w.g0, sp.first_pos, blk * a.bs, ws), st);
+  }
+#endif
+}
+
+// One work item: its rows and heads through the sequence's blocks in order, a step a block (AMX
+// tiles: several, amx_step_blocks), each partition merged into the total at its end (a partition
+// item: its partition's), the blocks after each step fetched where fetches_ahead says (`next`: the
+// item this thread takes next, if claimed).
 template <typename T>
 inline void attend_item(const AttnArgs<T>& a, const AttnItem& w, const AttnItem* next, const TileScratch& t,
                         AttnPath path, float* partials) {
   const ItemSpan sp = ItemSpan::of(a, w);
-  const int64_t pb = partition_blocks(a.bs);
+  const int64_t pb = partition_blocks(a.bs), per = path == AttnPath::amx ? amx_step_blocks(a.bs) : 1;
   const bool fetch = fetches_ahead(a, path, w.rows * (w.g1 - w.g0));
   start_tile(a, w, t, path);
   bool folded = false;
-  for (int64_t blk = sp.first_blk; blk < sp.end_blk; ++blk) {
+  for (int64_t blk = sp.first_blk, end; blk < sp.end_blk; blk = end) {
+    end = step_end(blk, sp.end_blk, pb, per);
     if (blk > sp.first_blk && blk % pb == 0) {
       fold_partition(t, w.rows * (w.g1 - w.g0), a.d, !folded);
       folded = true;
     }
-    if (fetch) fetch_after(a, w, sp, blk, next);
+    if (fetch) fetch_after(a, w, sp, end, end < sp.end_blk ? step_end(end, sp.end_blk, pb, per) : end, next);
+    if (path == AttnPath::amx) {
+      attend_amx_step(a, t, w, sp, blk, end);
+      continue;
+    }
     if (w.nkv > 1) {
       if (blk + 1 < sp.end_blk) fetch_pages(a.k_cache + tile_offset(a, w, blk + 1), w.nkv * a.bs * a.d);
       attend_whole_block(a, t, w, BlockView::at(1, a.group, sp.first_pos, blk * a.bs, a), tile_offset(a, w, blk), path);
@@ -1296,6 +1370,8 @@ void paged_attention_t(const AttnArgs<T>& a) {
   const AttnPath path = attention_path(a);
   int32_t slots = 0;
   const std::vector<AttnItem>& items = attention_items(a, path, slots);
+  // the keys a step takes: the rows of its scores and probabilities (TileScratch)
+  const int64_t step_keys = (path == AttnPath::amx ? amx_step_blocks(a.bs) : 1) * a.bs;
   const int64_t n_items = static_cast<int64_t>(items.size());
   const AttnItem* item_ptr = items.data();
   static thread_local LineVector<float> partial_buf;
@@ -1309,7 +1385,7 @@ void paged_attention_t(const AttnArgs<T>& a) {
   std::atomic<int64_t> claimed{0};
 #pragma omp parallel
   {
-    const TileScratch t = TileScratch::for_this_thread(a.hq, a.d, a.bs);
+    const TileScratch t = TileScratch::for_this_thread(a.hq, a.d, step_keys);
     auto claim = [&] { return claimed.fetch_add(1, std::memory_order_relaxed); };
     for (int64_t it = claim(); it < n_items;) {
       const AttnItem& w = item_ptr[it];

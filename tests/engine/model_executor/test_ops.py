@@ -304,17 +304,20 @@ def test_paged_attention_rejects_inconsistent_groups():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [16, 128])
-def test_paged_attention_row_independent_of_chunking(kern, dtype, block_size):
+@pytest.mark.parametrize("block_size,cuts", [(16, [0, 7, 24, 39, 40]), (128, [0, 7, 24, 39, 40]),
+                                             (32, [0, 100, 517, 530, 1100, 1101])])
+def test_paged_attention_row_independent_of_chunking(kern, dtype, block_size, cuts):
     """A query row gives bit-identical output whether its prompt is processed whole,
     in chunks, or alone: the property batch invariance rests on (bfloat16: the pair path's
-    pairs and padding depend on the row's position only)."""
-    q, kc, vc, tables, _, _, hq = _attention_case(dtype, block_size, 4, 64, [40], [40], 3)
-    whole = ops.paged_attention(q, kc, vc, tables, torch.tensor([40], dtype=torch.int32),
-                                torch.tensor([0, 40], dtype=torch.int32), hq, 0.125, k=kern)
+    pairs and padding depend on the row's position only; on AMX tiles, a step takes up to 16
+    blocks of 32 keys, and chunks here start and end inside steps)."""
+    n = cuts[-1]
+    q, kc, vc, tables, _, _, hq = _attention_case(dtype, block_size, 4, 64, [n], [n], 3)
+    whole = ops.paged_attention(q, kc, vc, tables, torch.tensor([n], dtype=torch.int32),
+                                torch.tensor([0, n], dtype=torch.int32), hq, 0.125, k=kern)
     parts = [ops.paged_attention(q[a:b], kc, vc, tables, torch.tensor([b], dtype=torch.int32),
                                  torch.tensor([0, b - a], dtype=torch.int32), hq, 0.125, k=kern)
-             for a, b in [(0, 7), (7, 24), (24, 39), (39, 40)]]
+             for a, b in zip(cuts, cuts[1:])]
     assert torch.equal(whole, torch.cat(parts))
 
 

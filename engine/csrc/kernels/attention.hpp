@@ -5,7 +5,8 @@
 // Work item = (sequence, kv head, tile of up to kQTile query rows). The item walks
 // the sequence's blocks in order; all query heads of the kv group and all rows of
 // the tile share each loaded key/value tile. Each (row, head) keeps an online
-// softmax (running max m, sum l, accumulator acc[D]) updated block by block, so
+// softmax (running max m, sum l, accumulator acc[D]) updated block by block (on
+// AMX tiles a step of several blocks, counted from each partition's start), so
 // a row's result depends only on its position and its context: not on the tile,
 // the chunking of the prefill, the batch or the thread count.
 //

@@ -1023,11 +1023,12 @@ inline void attend_step_amx(const AttnShape s, const TileScratch& t, const Block
   };
   copy_edge(j0, 0);
   if (j1 - kAmxKeys != j0) copy_edge(j1 - kAmxKeys, 1);
-  // Each step for every chunk before the next step: going from tile code to vector code or back
+  // Each phase for every chunk before the next phase: going from tile code to vector code or back
   // costs about 250 cycles a time here (not a data dependence: the same with the buffers apart),
-  // and the steps taken chunk by chunk made 6 such turns a block of a 48-row item where these make
-  // 2 (the real block steps on one hot block: 5.2 -> 4.65 us for 48 rows; a 2,048-token
-  // prefill's attention, old and new in one binary in turns: 0.85-0.89x, 1 and 2 threads).
+  // and the phases taken chunk by chunk made 6 such turns a step of a 48-row item where these make
+  // 2 (the real phases on one hot block: 5.2 -> 4.65 us for 48 rows; a 2,048-token prefill's
+  // attention, old and new in one binary in turns: 0.85-0.89x, 1 and 2 threads). Scores and
+  // softmax interleaved chunk by chunk within a step of four blocks: level.
   auto rows_of = [&](int64_t m0) { return static_cast<int>(std::min<int64_t>(16, n_rows - m0)); };
   const int64_t vpb = bs / VecF::N;  // key vectors a block
   for (int64_t m0 = 0; m0 < n_rows; m0 += 16) {
@@ -1251,9 +1252,12 @@ inline bool claims_ahead(AttnPath path, int64_t n_rows) { return path == AttnPat
 // Keys an online softmax step on AMX tiles takes: whole blocks, as many as fit (up to
 // kAmxStepBlocks, the partition's blocks a whole number of steps), where every other path takes one
 // block a step. Its turns between tile and vector code, its accumulators' loads and stores and its
-// softmax's reductions come once a step: a 2,048-token prefill's attention on the Xeon with AMX
-// (two threads, the builds in one binary taking turns, medians of 11) 0.83-0.88x the time with
-// 512-key steps against 128 (the engine's block size), 0.92x with 256; 1,024 no better than 512.
+// softmax's reductions come once a step. The Xeon with AMX, old and new in one binary taking turns,
+// medians of 11, two threads: 512-key steps against one block of 128 (the engine's block size), a
+// 2,048-token prefill's attention 0.79-0.82x the time (one thread 0.79x), 512 tokens 0.89x, 6,144
+// 0.84x; decode 64 sequences of 200 tokens 0.90x, 16 of 400 0.82x, 1 of 7,500 0.79x. (Blocks of 256
+// keys as a proxy: 0.92x; of 1,024: no better than 512. On the pair path, no turns to save, 512-key
+// blocks 0.97-0.99x: it keeps one block a step.)
 constexpr int64_t kAmxStepKeys = 512;
 inline int64_t amx_step_blocks(int64_t bs) {
   const int64_t pb = partition_blocks(bs);

@@ -68,7 +68,7 @@ def test_logprobs(client):
 def test_echo_with_prompt_logprobs(server, client, llm_f32):
     """echo (lm-evaluation-harness's loglikelihood asks for it): the prompt before the choice's text,
     with logprobs its tokens' first (None for the first token), streamed and not; max_tokens 0 gives
-    the prompt alone, and without echo it is a 400."""
+    the prompt alone, and without echo it is a 400; token ids outside the vocabulary are a 400."""
     tok = llm_f32.get_tokenizer()
     prompt_ids = tok.encode(PROMPT)
     want = llm_f32.generate({"prompt_token_ids": prompt_ids},
@@ -90,6 +90,9 @@ def test_echo_with_prompt_logprobs(server, client, llm_f32):
     assert alone.logprobs.token_logprobs == c.logprobs.token_logprobs[:n]
     r = httpx.post(server.url + "/v1/completions", json={"model": "smollm2", "prompt": PROMPT, "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    for ids in ([-1], [5, 10**9], [[5], [-7]]):  # echo decodes token-id prompts: out of the vocabulary, a 400
+        r = httpx.post(server.url + "/v1/completions", json={"model": "smollm2", "prompt": ids, "echo": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", (ids, r.text)
 
 
 def test_prompt_logprobs_on_both_endpoints(server, llm_f32):

@@ -24,6 +24,7 @@ async def completions(req: CompletionRequest, request: Request):
     st.check_model(req.model)
     refuse_unsupported(req)
     prompts = await asyncio.to_thread(tokenize_prompts, req.prompt, st.tokenizer)  # off the event loop
+    check_prompt_ids(prompts, st.engine.info.vocab_size)  # before echo decodes them
     if req.truncate_prompt_tokens is not None:  # a cut prompt's text is its tokens' (echo decodes them)
         cut = [truncated(ids, req.truncate_prompt_tokens, st.engine.info.max_model_len) for _, ids in prompts]
         prompts = [(t if len(c) == len(ids) else None, c) for (t, ids), c in zip(prompts, cut)]
@@ -63,6 +64,13 @@ def tokenize_prompts(p, tok) -> list[tuple[str | None, list[int]]]:
     if any(not ids for _, ids in prompts):
         raise APIError(400, "a prompt is empty", param="prompt")
     return prompts
+
+
+def check_prompt_ids(prompts: list[tuple[str | None, list[int]]], vocab: int) -> None:
+    """Token-id prompts hold ids of the vocabulary (the engine refuses others too, but echo and
+    truncation handle the ids before it sees them: an id the tokenizer cannot decode was a 500)."""
+    if any(t is None and (min(ids) < 0 or max(ids) >= vocab) for t, ids in prompts):
+        raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 #include <omp.h>
 
@@ -98,19 +99,28 @@ class Shares {
 // A GEMM's work over row tiles x panels (item mt * panels + p) in self-balancing thread shares:
 // each thread streams its own contiguous share of the panels in memory order, as the
 // static split before did (a few panels a group had left one thread with twice the other's bytes
-// on 18-panel layers), then helps with the others'; run(mt, p0, p1) per chunk of one row tile.
-template <typename Run>
-inline void share_tiles(int64_t m_tiles, int64_t panels, int64_t chunk, bool parallel, Run&& run) {
+// on 18-panel layers), then helps with the others'; run(mt, p0, p1) per chunk of one row tile,
+// then done() once on each thread of the team, after its last chunk (or none).
+template <typename Run, typename Done>
+inline void share_tiles(int64_t m_tiles, int64_t panels, int64_t chunk, bool parallel, Run&& run, Done&& done) {
   const int team = parallel ? omp_get_max_threads() : 1;
   Shares shares(m_tiles * panels, team);
 #pragma omp parallel num_threads(team) if (team > 1)
-  shares.run(omp_get_thread_num(), chunk, [&](int64_t lo, int64_t hi) {
-    while (lo < hi) {  // a chunk across the end of a row tile: its two parts
-      const int64_t mt = lo / panels, end = std::min(hi, (mt + 1) * panels);
-      run(mt, lo - mt * panels, end - mt * panels);
-      lo = end;
-    }
-  });
+  {
+    shares.run(omp_get_thread_num(), chunk, [&](int64_t lo, int64_t hi) {
+      while (lo < hi) {  // a chunk across the end of a row tile: its two parts
+        const int64_t mt = lo / panels, end = std::min(hi, (mt + 1) * panels);
+        run(mt, lo - mt * panels, end - mt * panels);
+        lo = end;
+      }
+    });
+    done();
+  }
+}
+
+template <typename Run>
+inline void share_tiles(int64_t m_tiles, int64_t panels, int64_t chunk, bool parallel, Run&& run) {
+  share_tiles(m_tiles, panels, chunk, parallel, std::forward<Run>(run), [] {});
 }
 
 // When `threads` threads finish n items of the given costs, each thread taking the list's next item

@@ -18,8 +18,10 @@
 #ifdef __AMX_BF16__
 #include <immintrin.h>
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <utility>
 #include <vector>
 #include "activation.hpp"
@@ -176,6 +178,36 @@ inline int64_t amx_row_block(int64_t m, int64_t panels) {
   return ((m + tiles - 1) / tiles + kAmxRows - 1) / kAmxRows * kAmxRows;
 }
 
+// A rounded to bfloat16 pairs (bf16_pairs_of's bits) one row tile at a time, by the first thread
+// of an amx_share to reach the tile (the others wait for it): the rows are rounded just before
+// the tiles read them, from this core's L2, where a pass over all of A before the GEMM (its own
+// parallel region) wrote them out to the L3 first (2,048 x 576 rows: 2.4 MB).
+class LazyPairs {
+ public:
+  LazyPairs(const float* a, int64_t m, int64_t k, int64_t lda, int64_t k2, int64_t mc)
+      : a_(a), m_(m), k_(k), lda_(lda), k2_(k2), mc_(mc), out_(bf16_pairs_buffer(m, k2)),
+        state_(new std::atomic<int>[(m + mc - 1) / mc]()) {}
+
+  // A's rounded rows, those of the row tile from m0 ready.
+  const bf16x2* rows(int64_t m0) {
+    std::atomic<int>& s = state_[m0 / mc_];
+    int todo = 0;
+    if (s.load(std::memory_order_acquire) != kReady && s.compare_exchange_strong(todo, kBusy)) {
+      for (int64_t r = m0, end = std::min(m_, m0 + mc_); r < end; ++r) bf16_pairs_row(a_ + r * lda_, k_, k2_, out_ + r * k2_);
+      s.store(kReady, std::memory_order_release);
+    }
+    while (s.load(std::memory_order_acquire) != kReady) _mm_pause();
+    return out_;
+  }
+
+ private:
+  static constexpr int kBusy = 1, kReady = 2;
+  const float* a_;
+  int64_t m_, k_, lda_, k2_, mc_;
+  bf16x2* out_;
+  std::unique_ptr<std::atomic<int>[]> state_;
+};
+
 // The row count this thread's tiles are configured for inside an amx_share (0: none yet).
 inline int& amx_shape() {
   static thread_local int shape = 0;
@@ -207,8 +239,9 @@ inline void amx_share(int64_t m, int64_t panels, int64_t work, Run&& run) {
 void amx_gemm(float* c, const float* af, const bf16x2* w, const float* bias, int64_t m, int64_t n, int64_t k,
               int64_t lda, int64_t ldc) {
   const int64_t k2 = packed_pairs(k), panels = (n + kNR - 1) / kNR;
-  const bf16x2* a = bf16_pairs_of(af, m, k, lda, k2);
+  LazyPairs pairs_of(af, m, k, lda, k2, amx_row_block(m, panels));
   amx_share(m, panels, m * n * k, [&](int64_t m0, int64_t m1, int64_t p0, int64_t p1, int& shape) {
+    const bf16x2* a = pairs_of.rows(m0);
     alignas(64) float buf[kAmxRows * kNR];
     const int64_t blocks = (m1 - m0 + kAmxRows - 1) / kAmxRows;
     for (int64_t p = p0; p < p1; ++p)
@@ -246,8 +279,9 @@ constexpr int64_t kSiluRows = 4 * kAmxRows;
 void amx_gemm_silu(float* act, const float* af, const bf16x2* w, int64_t m, int64_t f, int64_t k, int64_t lda,
                    int64_t ldo) {
   const int64_t k2 = packed_pairs(k), pairs = f / kNR;
-  const bf16x2* a = bf16_pairs_of(af, m, k, lda, k2);
+  LazyPairs pairs_of(af, m, k, lda, k2, amx_row_block(m, pairs));
   amx_share(m, pairs, 2 * m * f * k, [&](int64_t m0, int64_t m1, int64_t j0, int64_t j1, int& shape) {
+    const bf16x2* a = pairs_of.rows(m0);
     static thread_local LineVector<float> buf(2 * kSiluRows * kNR);
     float* const gate = buf.data();
     float* const up = gate + kSiluRows * kNR;

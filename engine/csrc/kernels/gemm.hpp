@@ -443,19 +443,25 @@ void gemm_t(float* c, const TA* a, const T* w, const float* bias, int64_t m, int
 // tiles, padded with zeros). Whole vectors are rounded by vcvtneps2bf16, which flushes denormals
 // where from_float keeps them: vdpbf16ps and tdpbf16ps read a denormal as zero either way, so the
 // products are the same.
-inline const bf16x2* bf16_pairs_of(const float* a, int64_t m, int64_t k, int64_t lda, int64_t k2) {
+inline void bf16_pairs_row(const float* ar, int64_t k, int64_t k2, bf16x2* out) {
+  bf16* o = reinterpret_cast<bf16*>(out);
+  int64_t e = 0;
+  for (; e + VecF::N <= k; e += VecF::N) VecF::load(ar + e).store_bf16(o + e);
+  for (; e < k; ++e) o[e] = from_float<bf16>(ar[e]);
+  for (; e < 2 * k2; ++e) o[e] = bf16{0};
+}
+
+// This thread's buffer for m rows of k2 pairs.
+inline bf16x2* bf16_pairs_buffer(int64_t m, int64_t k2) {
   thread_local LineVector<bf16x2> buf;
   buf.resize(static_cast<size_t>(m * k2));
-  bf16x2* out = buf.data();
+  return buf.data();
+}
+
+inline const bf16x2* bf16_pairs_of(const float* a, int64_t m, int64_t k, int64_t lda, int64_t k2) {
+  bf16x2* out = bf16_pairs_buffer(m, k2);
 #pragma omp parallel for schedule(static) if (m * k > 65536)
-  for (int64_t r = 0; r < m; ++r) {
-    const float* ar = a + r * lda;
-    bf16* o = reinterpret_cast<bf16*>(out + r * k2);
-    int64_t e = 0;
-    for (; e + VecF::N <= k; e += VecF::N) VecF::load(ar + e).store_bf16(o + e);
-    for (; e < k; ++e) o[e] = from_float<bf16>(ar[e]);
-    for (; e < 2 * k2; ++e) o[e] = bf16{0};
-  }
+  for (int64_t r = 0; r < m; ++r) bf16_pairs_row(a + r * lda, k, k2, out + r * k2);
   return out;
 }
 #endif

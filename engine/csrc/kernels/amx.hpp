@@ -147,6 +147,11 @@ inline void amx_rows(int mr, const void* a, int64_t lda, const void* b, int64_t 
 // (weights beyond the L3), old and new in one binary taking turns, 64 rows 25.6 -> 23.1 ms, 32 rows
 // 18.7 -> 16.7, 16 and 1 rows within 2%; `cpuserve bench --dtype bfloat16`, builds taking turns, the
 // batch-64 step's GEMMs 17.1-17.2 -> 15.1-15.5 ms (the step 31.2-31.4 -> 29.0-30.0), batch 1 level.
+// The bfloat16 kernels fetch ahead on every row count: a prefill's 256-row tiles each read a
+// panel from beyond the L2 first (two threads, caches flushed between calls, old and new in one
+// binary taking turns, median time ratio of 201 rounds in a noisy minute: 2,048 x 960 x 576 0.94,
+// x 576 x 1,536 0.95, gated x 3,072 x 576 0.94-0.97); the W8A8 ones only up to these rows (not
+// measured). A gated item counts its blocks across its whole rows, so that each slice is fetched once.
 constexpr int64_t kAmxAheadRows = 64;
 
 // The next panel's weights (k4 4-byte units of kNR columns) as amx_gemm's blocks fetch them.
@@ -248,7 +253,7 @@ void amx_gemm(float* c, const float* af, const bf16x2* w, const float* bias, int
       for (int64_t r = m0, t = 0; r < m1; r += kAmxRows, ++t) {
         const int mr = static_cast<int>(std::min(kAmxRows, m1 - r));
         const int64_t col0 = p * kNR, cols = std::min<int64_t>(kNR, n - col0);
-        const Prefetch ahead = m1 - m0 <= kAmxAheadRows ? next_panel(w, p, panels, k2).slice(t, blocks) : Prefetch{};
+        const Prefetch ahead = next_panel(w, p, panels, k2).slice(t, blocks);
         // Without a bias, a whole panel's tiles go straight into C, not through the buffer and a
         // copy (the model's shapes, 512 and 2,048 rows, taking turns in one process: 1.1-1.3x).
         if (bias == nullptr && cols == kNR) {
@@ -285,14 +290,13 @@ void amx_gemm_silu(float* act, const float* af, const bf16x2* w, int64_t m, int6
     static thread_local LineVector<float> buf(2 * kSiluRows * kNR);
     float* const gate = buf.data();
     float* const up = gate + kSiluRows * kNR;
-    const bool ahead = m1 - m0 <= kAmxAheadRows;
     const int64_t blocks = (m1 - m0 + kAmxRows - 1) / kAmxRows;
     for (int64_t j = j0; j < j1; ++j)
       for (int64_t r0 = m0; r0 < m1; r0 += kSiluRows) {
         const int64_t r1 = std::min(m1, r0 + kSiluRows);
-        for (int64_t r = r0, t = 0; r < r1; r += kAmxRows, ++t) {
+        for (int64_t r = r0; r < r1; r += kAmxRows) {
           const int mr = static_cast<int>(std::min(kAmxRows, r1 - r));
-          const auto [gate_next, up_next] = next_pair(w, j, pairs, k2, t, blocks, ahead);
+          const auto [gate_next, up_next] = next_pair(w, j, pairs, k2, (r - m0) / kAmxRows, blocks, true);
           amx_rows(mr, a + r * k2, k2, w + j * k2 * kNR, k2, gate + (r - r0) * kNR, shape, kNR, {}, gate_next);
           amx_rows(mr, a + r * k2, k2, w + (j + pairs) * k2 * kNR, k2, up + (r - r0) * kNR, shape, kNR, {}, up_next);
         }

@@ -89,26 +89,28 @@ constexpr bool kBf16Pairs = false;
 // EPYC Zen 5 (two vdpbf16ps a cycle) 12 independent chains reach 91% of its rate, 16 and more
 // 100%, against 12 for float32's 4-cycle FMA. 12 x 2 vectors is 24 accumulators, two weight
 // vectors and a broadcast: 27 of the 32 registers, 14 loads per 24 dot products where 6 rows took 8
-// per 12. Float32 weights on AVX-512 take 12 rows too, and so do bfloat16 pairs widened in
-// registers (bf16p: AVX-512 without BF16): each row tile streams its panel's chunk (the whole K:
-// 72 KB of float32 at K = 576, past the L1) from the L2, and 12 rows stream it half as often as
-// 6. The Xeon with AMX (float32 runs on its FMA units), two threads, old and new in one binary
-// taking turns (medians of 21-31 rounds, time new / old, the same bits): float32 128 x 960 x 576
-// 0.87x (one thread 0.88x), 128 x 576 x 576 0.88x, 128 x 576 x 1,536 0.88x, 2,048 x 960 x 576
-// 0.92x, 2,048 x 576 x 1,536 0.90x, 64 x 1,536 x 576 0.91x, 20-32 rows x 960 x 576 0.79-0.80x,
-// 128 x 3,072 x 576 with 40 weight copies in turn (280 MB: the L3 and memory) 0.87x; 16 rows (a
-// pass, kPassRows) level. Built as the avx512_vnni table on the same CPU: float32 0.87x / 0.94x /
-// 0.89x (128 x 960 x 576, 2,048 x 576 x 1,536, 64 x 1,536 x 576), bf16p 0.92x / 0.90x / 0.94x,
-// 32 x 960 x 576 0.89x. 14 float32 rows were no better than 12 (0.95-1.00x). The GGUF blocks' GEMM
-// (quant.hpp), whose dequantized chunk sits in L1, keeps kMR: 12 rows took 1.03-1.10x its time.
-// Other tables keep kMR (AVX2 has 16 registers; NEON and VXE were not measured).
+// per 12. Float32 weights on AVX-512 take 12 rows too, and so do the narrow weights widened in
+// registers (float16, and bf16p: AVX-512 without BF16): each row tile streams its panel's chunk
+// (the whole K: 72 KB of float32 at K = 576, past the L1) from the L2, and 12 rows stream it half
+// as often as 6. The Xeon with AMX (float32 runs on its FMA units), two threads, old and new in one
+// binary taking turns (medians of 21-31 rounds, time new / old, the same bits): float32 128 x 960
+// x 576 0.87x (one thread 0.88x), 128 x 576 x 576 0.88x, 128 x 576 x 1,536 0.88x, 2,048 x 960 x
+// 576 0.92x, 2,048 x 576 x 1,536 0.90x, 64 x 1,536 x 576 0.91x, 20-32 rows x 960 x 576
+// 0.79-0.80x, 128 x 3,072 x 576 with 40 weight copies in turn (280 MB: the L3 and memory) 0.87x;
+// 16 rows (a pass, kPassRows) level; float16 0.92x / 0.93x / 0.95x (128 x 960 x 576, 2,048 x 576 x
+// 1,536, 64 x 1,536 x 576), 32 rows 0.92x. Built as the avx512_vnni table on the same CPU: float32
+// 0.87x / 0.94x / 0.89x, bf16p 0.92x / 0.90x / 0.94x, 32 rows 0.89x. 14 float32 rows were no
+// better than 12 (0.95-1.00x). The GGUF blocks' GEMM (quant.hpp), whose dequantized chunk sits in
+// L1, keeps kMR: 12 rows took 1.03-1.10x its time. Other tables keep kMR (AVX2 has 16 registers;
+// NEON and VXE were not measured).
 #ifdef __AVX512F__
 constexpr bool kWideFloatTiles = true;
 #else
 constexpr bool kWideFloatTiles = false;
 #endif
 template <typename T>
-constexpr bool kWideTileWeights = std::is_same_v<T, float> || std::is_same_v<T, bf16p>;
+constexpr bool kWideTileWeights =
+    std::is_same_v<T, float> || std::is_same_v<T, bf16p> || std::is_same_v<T, f16>;
 template <typename T>
 constexpr int kTileRows =
     (std::is_same_v<T, bf16x2> && kBf16Pairs) || (kWideTileWeights<T> && kWideFloatTiles) ? 12 : kMR;

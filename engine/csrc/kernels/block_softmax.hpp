@@ -129,6 +129,16 @@ template <typename P>
   const __m512 vc = _mm512_set1_ps(c), vneg = _mm512_set1_ps(-m);
   __m512 sum = _mm512_setzero_ps();
   int64_t j = 0;
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<P, bf16>) {  // two vectors to one: vcvtne2ps2bf16 the cost of one vcvtneps2bf16
+    for (; j + 32 <= n; j += 32) {
+      const __m512 e0 = exp2<kDegree>(_mm512_fmadd_ps(_mm512_loadu_ps(u + j), vc, vneg));
+      const __m512 e1 = exp2<kDegree>(_mm512_fmadd_ps(_mm512_loadu_ps(u + j + 16), vc, vneg));
+      _mm512_storeu_si512(to + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));  // NOLINT
+      sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
+    }
+  }
+#endif
   for (; j + 16 <= n; j += 16) {
     const __m512 e = exp2<kDegree>(_mm512_fmadd_ps(_mm512_loadu_ps(u + j), vc, vneg));
     store(to + j, e);

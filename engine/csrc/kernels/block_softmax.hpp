@@ -8,11 +8,12 @@
 //   - exp2 of t = fma(u, c, -m) directly, c = scale * log2(e): no multiply by log2(e) and no
 //     Cody-Waite split, no clamp on AVX-512 (t <= 0 always, and vscalefps takes 2^n of any n; AVX2
 //     builds 2^n in the exponent bits, so t is held at -127 or above, where 2^-127's bits are 0), a
-//     degree-5 polynomial for 2^f on [-1/2, 1/2] (relative error 2.3e-7 evaluated in float32): 11
-//     vector operations an exp where the shared exp took 18 (AVX2: 12 where it took 20); degree 4
-//     (2.6e-6) for bfloat16 probabilities (a 2,048-token prefill's attention on AMX tiles, the
-//     Xeon with AMX, old and new in one binary taking turns: 0.95-0.98x the time, 1 and 2
-//     threads). The running max m is kept in base 2 too (scaled by c), so alpha = 2^(m_old - m_new).
+//     degree-5 polynomial for 2^f (AVX-512: f in [0, 1) from one vreduceps, exp2 below; AVX2: f in
+//     [-1/2, 1/2]): 10 vector operations an exp on AVX-512 where the shared exp took 18 (AVX2: 12
+//     where it took 20); degree 4 for bfloat16 probabilities (a 2,048-token prefill's attention on
+//     AMX tiles, the Xeon with AMX, old and new in one binary taking turns: 0.95-0.98x the time, 1
+//     and 2 threads), rounded two vectors at a time. The running max m is kept in base 2 too
+//     (scaled by c), so alpha = 2^(m_old - m_new).
 //   - the rows' horizontal maxima and sums as one transposed reduction (AVX-512: 45 operations for
 //     16 rows where one row's reduction took 8; AVX2: 22 for 8 rows where one row's took 6).
 //   - a row's keys that start or end inside a vector through masked loads and stores.

@@ -10,6 +10,7 @@
 #include <vector>
 #include "comm/shm_comm.hpp"
 #include "kernel_table.hpp"
+#include "kernels/prefetch.hpp"
 #include "kernels/quant_format.hpp"
 #include "platform/numa.hpp"
 #include "runner/decoder_step.hpp"
@@ -50,6 +51,24 @@ std::vector<std::string> available_isas() {
   for (const char* n : cpuserve::kIsaNames)
     if (cpuserve::table_by_name(n) != nullptr) out.emplace_back(n);
   return out;
+}
+
+// DecodeFetch (kernels/prefetch.hpp) by the names CPUSERVE_DECODE_FETCH takes
+const char* fetch_name(cpuserve::DecodeFetch f) { return f == cpuserve::DecodeFetch::kL2Ahead ? "l2" : "nta"; }
+cpuserve::DecodeFetch fetch_named(const std::string& name) {
+  if (name == "nta") return cpuserve::DecodeFetch::kNonTemporal;
+  if (name == "l2") return cpuserve::DecodeFetch::kL2Ahead;
+  throw std::invalid_argument("decode fetch '" + name + "' is not one of: nta, l2");
+}
+
+void bind_decode_fetch(py::module_& m) {
+  m.def("decode_fetch", []() { return fetch_name(cpuserve::decode_fetch()); },
+        "how decode GEMVs ask for their weights' lines: 'nta' (the next k step's, non-temporal) or 'l2' "
+        "(8 k steps ahead, into L2); chosen for the CPU's vendor");
+  m.def("set_decode_fetch", [](const std::string& name) { cpuserve::set_decode_fetch(fetch_named(name)); },
+        py::arg("name"));
+  m.def("decode_fetch_for", [](const std::string& vendor) { return fetch_name(cpuserve::decode_fetch_for(vendor.c_str())); },
+        py::arg("vendor"), "the choice for a CPUID vendor string");
 }
 
 using G = py::call_guard<py::gil_scoped_release>;  // the kernels and the runner run without the GIL
@@ -333,6 +352,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("available_isas", &available_isas, "ISAs compiled in and supported by this CPU, best first");
   m.def("omp_max_threads", []() { return omp_get_max_threads(); });
   m.def("omp_set_num_threads", [](int n) { omp_set_num_threads(n); });
+  bind_decode_fetch(m);
   bind_platform(m);
   bind_comm(m);
   bind_runner(m);

@@ -1,12 +1,19 @@
 // Picks the kernel table for the running CPU: the best ISA that was compiled in
-// and that the CPU (and the OS, for AVX-512 register state) supports.
+// and that the CPU (and the OS, for AVX-512 register state) supports; and how its decode
+// GEMVs fetch their weights (DecodeFetch, kernels/prefetch.hpp).
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <string>
 #include "kernel_table.hpp"
+#include "kernels/prefetch.hpp"
 
 #if defined(__s390x__) || defined(__aarch64__)
 #include <sys/auxv.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #endif
 #if defined(__x86_64__)
 #include <sys/syscall.h>
@@ -87,6 +94,37 @@ bool cpu_has(const char* isa) {
 }
 
 }  // namespace
+
+DecodeFetch decode_fetch_for(const char* vendor) {
+  return std::strcmp(vendor, "GenuineIntel") == 0 ? DecodeFetch::kL2Ahead : DecodeFetch::kNonTemporal;
+}
+
+namespace {
+
+// This CPU's CPUID vendor string ("" off x86).
+std::string cpu_vendor() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return "";
+  char v[13] = {};
+  std::memcpy(v, &ebx, 4);
+  std::memcpy(v + 4, &edx, 4);
+  std::memcpy(v + 8, &ecx, 4);
+  return v;
+#else
+  return "";
+#endif
+}
+
+std::atomic<DecodeFetch>& decode_fetch_slot() {
+  static std::atomic<DecodeFetch> f{decode_fetch_for(cpu_vendor().c_str())};
+  return f;
+}
+
+}  // namespace
+
+DecodeFetch decode_fetch() { return decode_fetch_slot().load(std::memory_order_relaxed); }
+void set_decode_fetch(DecodeFetch f) { decode_fetch_slot().store(f, std::memory_order_relaxed); }
 
 const KernelTable* table_by_name(const char* name) {
   const KernelTable* t = nullptr;

@@ -48,6 +48,7 @@ class Machine:
     torch_shape_gflops: dict = field(default_factory=dict)  # float32/bfloat16: torch's F.linear on that shape
     line_ns: float | None = None    # a cache line between OpenMP thread 0 and the slowest other, one way
     arith_gflops: dict = field(default_factory=dict)  # float32/bfloat16: the arithmetic peak (arith_peaks)
+    decode_fetch: str = ""          # how the probe and the decode GEMVs fetch ahead (_C.decode_fetch)
 
 
 def _best(fn, repeats: int) -> float:
@@ -167,12 +168,14 @@ def arith_peaks() -> dict:
 
 
 def measure_machine(hidden: int, ffn: int) -> Machine:
+    from cpuserve import _C
+
     kinds = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     return Machine(torch.get_num_threads(), read_bandwidth(),
                    {k: torch_gemm_gflops(d) for k, d in kinds.items()},
                    {k: kernel_gflops(d, 64, hidden, ffn) for k, d in {**kinds, **{q: q for q in ("gguf", "gguf-int8", "w8a8")}}.items()},
                    {k: torch_linear_gflops(d, 64, hidden, ffn) for k, d in kinds.items()}, line_transfer_ns(),
-                   arith_peaks())
+                   arith_peaks(), _C.decode_fetch())
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -367,7 +370,8 @@ def _profile_how(e: dict) -> str:
 
 def format_report(r: dict, batch: int = 64) -> str:
     m = r["machine"]
-    lines = [f"machine: {m['threads']} threads, read bandwidth {m['read_gbs']:.1f} GB/s; GEMM GFLOP/s: torch 2048^3 "
+    fetch = f" (decode fetch {m['decode_fetch']})" if m.get("decode_fetch") else ""
+    lines = [f"machine: {m['threads']} threads, read bandwidth {m['read_gbs']:.1f} GB/s{fetch}; GEMM GFLOP/s: torch 2048^3 "
              + ", ".join(f"{k} {v:.0f}" for k, v in m["torch_gflops"].items()) + "; cpuserve kernel [64 x hidden] x "
              "[hidden x ffn] " + ", ".join(f"{k} {v:.0f}" for k, v in m["kernel_gflops"].items())
              + ("; torch's F.linear on that shape " + ", ".join(f"{k} {v:.0f}" for k, v in m["torch_shape_gflops"].items())

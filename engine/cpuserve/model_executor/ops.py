@@ -31,7 +31,19 @@ def _load_kernels() -> "_C.Kernels":
         raise RuntimeError(f"CPUSERVE_ISA={isa!r}: {e}; available here: {_C.available_isas()}") from None
 
 
+def _decode_fetch() -> None:
+    """CPUSERVE_DECODE_FETCH, where set, over the choice made for this CPU's vendor (_C.decode_fetch;
+    csrc/kernels/prefetch.hpp, DecodeFetch): how decode GEMVs ask for their weights' lines."""
+    name = os.environ.get("CPUSERVE_DECODE_FETCH", "")
+    if name:
+        try:
+            _C.set_decode_fetch(name)
+        except ValueError as e:
+            raise RuntimeError(f"CPUSERVE_DECODE_FETCH={name!r}: {e}") from None
+
+
 KERNELS = _load_kernels()
+_decode_fetch()
 
 
 def _f32(t: torch.Tensor, name: str) -> None:

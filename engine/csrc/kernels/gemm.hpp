@@ -206,8 +206,9 @@ constexpr bool kFetchTileOfC = true;
 constexpr bool kFetchTileOfC = false;
 #endif
 
-// How many k steps ahead of its loads decode (MR <= 2, NP > 1) asks for each panel's weight lines,
-// marked non-temporal (128 bytes a panel a step). One step. 16 steps (2 KB a panel) were tried on
+// How many k steps ahead of its loads decode (MR <= 2, NP > 1) asks for each panel's weight lines
+// where they are marked non-temporal (DecodeFetch::kNonTemporal, 128 bytes a panel a step): one step
+// (kL2Ahead: kL2AheadSteps, prefetch.hpp). 16 steps (2 KB a panel) were tried on
 // the AMD EPYC Zen 5 VM, where on 4 KB pages they took 0.78-0.95x the time of the model's GEMVs
 // (the hardware prefetchers stop at each page's end) but on the engine's huge-paged weights
 // (platform/pages.py) 0.96-1.00x, level in its batch-1 bench. On AMD EPYC Zen 4 they cost: the
@@ -247,7 +248,7 @@ constexpr bool paces_prefetch(int64_t rows) {
 // the model's gate/up shape 64 rows 189 -> 224 GFLOP/s, 2,048 rows 192 -> 220; down 64 rows 214
 // -> 229; the model's 30 layers' GEMMs from memory, 64 rows 72.6 -> 67.4 ms; 1-16 rows, bfloat16
 // and AVX2 unchanged (the same code otherwise: the same bits).
-template <int MR, int NP, typename T, typename TA = AOf<T>>
+template <int MR, int NP, DecodeFetch F = DecodeFetch::kNonTemporal, typename T, typename TA = AOf<T>>
 [[gnu::noinline]] void micro_kernel(const TA* a, int64_t lda, const T* b, int64_t panel_stride, int64_t kc,
                          float* c, int64_t ldc, bool first, int cols, Prefetch pf = {}) {
   VecF acc[MR][NP][2];
@@ -277,11 +278,15 @@ template <int MR, int NP, typename T, typename TA = AOf<T>>
     }
   int64_t pf_line = pf.first, pf_acc = 0;
   for (int64_t kk = 0; kk < kc; ++kk) {
-    if constexpr (NP > 1) {  // decode reads each weight once: lines kDecodeAhead steps on, non-temporal
-      if (kk + kDecodeAhead < kc)
+    if constexpr (NP > 1) {  // decode reads each weight once: its lines asked for as DecodeFetch F says
+      constexpr int64_t ahead = F == DecodeFetch::kL2Ahead ? kL2AheadSteps : kDecodeAhead;
+      if (kk + ahead < kc)
         for (int q = 0; q < NP; ++q)
-          for (int64_t o = 0; o < static_cast<int64_t>(kNR * sizeof(T)); o += 64)
-            prefetch_nta(reinterpret_cast<const char*>(b + q * panel_stride + (kk + kDecodeAhead) * kNR) + o);
+          for (int64_t o = 0; o < static_cast<int64_t>(kNR * sizeof(T)); o += 64) {
+            const char* line = reinterpret_cast<const char*>(b + q * panel_stride + (kk + ahead) * kNR) + o;
+            if constexpr (F == DecodeFetch::kL2Ahead) prefetch_l2(line);
+            else prefetch_nta(line);
+          }
     }
     for (int h = 0; h < kSubSteps<T>; ++h) {  // bf16p: k, then k + 1 of the pairs at kk
       if constexpr (NP > 1) {
@@ -353,18 +358,21 @@ template <typename T, typename TA = AOf<T>>
 inline void micro_rows(int mr, const TA* a, int64_t lda, const T* w, int64_t k, int64_t k0, int64_t kc,
                        float* c, int64_t ldc, int64_t p, int64_t p1, int64_t n, bool first, Prefetch pf = {}) {
   const int64_t ps = k * kNR;  // distance between panels
+  const bool l2_ahead = mr <= 2 && decode_fetch() == DecodeFetch::kL2Ahead;
   auto full = [&](int64_t q) { return (q + 1) * kNR <= n; };
   while (p < p1) {
     const T* bp = w + p * ps + k0 * kNR;
     float* cp = c + p * kNR;
     const int cols = static_cast<int>(std::min<int64_t>(kNR, n - p * kNR));
     if (mr == 1 && p + 4 <= p1 && full(p + 3)) {
-      micro_kernel<1, 4>(a, lda, bp, ps, kc, cp, ldc, first, kNR);
+      if (l2_ahead) micro_kernel<1, 4, DecodeFetch::kL2Ahead>(a, lda, bp, ps, kc, cp, ldc, first, kNR);
+      else micro_kernel<1, 4>(a, lda, bp, ps, kc, cp, ldc, first, kNR);
       p += 4;
       continue;
     }
     if (mr == 2 && p + 2 <= p1 && full(p + 1)) {
-      micro_kernel<2, 2>(a, lda, bp, ps, kc, cp, ldc, first, kNR);
+      if (l2_ahead) micro_kernel<2, 2, DecodeFetch::kL2Ahead>(a, lda, bp, ps, kc, cp, ldc, first, kNR);
+      else micro_kernel<2, 2>(a, lda, bp, ps, kc, cp, ldc, first, kNR);
       p += 2;
       continue;
     }

@@ -2,7 +2,8 @@
 // each weight chunk across its row tiles, so it is compute-bound on average, but the first row
 // tile over a chunk found it in DRAM and waited: the hardware prefetchers follow that tile's
 // reads too closely to hide the latency. Fetching the next chunk into L2 while this one's row
-// tiles run hides it (decode, where each byte is used once, is left to the hardware).
+// tiles run hides it (decode, where each byte is used once, fetches a few lines ahead of its loads:
+// DecodeFetch).
 // The paged attention fetches some items' next cache block the same way (attention.hpp,
 // fetches_ahead), an address no hardware prefetcher can guess.
 //
@@ -16,6 +17,27 @@
 #include <cstdint>
 
 namespace cpuserve {
+
+// How a decode GEMV (one or two rows, each weight byte used once) and the bandwidth probe that
+// stands for it ask for the weight lines ahead of their loads: a process-wide choice made for the
+// CPU's vendor (decode_fetch_for, dispatch.cpp), CPUSERVE_DECODE_FETCH overriding it.
+// - kNonTemporal: the next k step's lines, non-temporal (prefetch_nta below): AMD, and every CPU
+//   not measured otherwise.
+// - kL2Ahead: the lines kL2AheadSteps k steps on, into L2, and the probe's loads left to the
+//   hardware prefetchers: Intel. On Intel's server cores prefetchnta fills L1 and skips the L2, so
+//   the L2's streamers never see the stream and every line waits on memory: on the Xeon with AMX
+//   (family 6 model 207, 2 threads, the default model's 120 float32 layer GEMVs from memory, 425
+//   MB, variants taking turns in one binary, medians of 21-31 rounds) non-temporal lines one step
+//   ahead took 1.21-1.33x the time of no software fetch at all, lines into L2 one step ahead
+//   1.06x, four 0.91x, eight 0.86-0.94x, sixteen 0.88-0.98x; the probe's plain loads read 24.3
+//   GB/s where its non-temporal ones read 16.5.
+enum class DecodeFetch : int { kNonTemporal = 0, kL2Ahead = 1 };
+constexpr int64_t kL2AheadSteps = 8;  // k steps: 1 KB of each float32 panel
+DecodeFetch decode_fetch();
+void set_decode_fetch(DecodeFetch f);
+// The choice for a CPU vendor's CPUID string ("GenuineIntel", "AuthenticAMD"; "" off x86).
+DecodeFetch decode_fetch_for(const char* vendor);
+
 namespace {
 
 // A read of the cache line at p, fetched into L2 (see above for why not L1).

@@ -430,6 +430,52 @@ TEST(Gemm, SameBitsAnyThreadCountEveryTable) {
   omp_set_num_threads(before);
 }
 
+// How decode GEMVs fetch their weights (DecodeFetch, kernels/prefetch.hpp): chosen by vendor, and
+// either way the same bits on every table: one and two rows (the 4- and 2-panel decode kernels
+// that fetch ahead, a K longer and one shorter than kL2AheadSteps, a last narrow panel), the gated
+// GEMM, and the bandwidth probe's sum.
+template <typename T>
+void check_fetch_same_bits(const KernelTable* tab, DType dt) {
+  for (auto [m, n, k] : std::vector<std::array<int64_t, 3>>{{1, 960, 576}, {2, 200, 100}, {1, 130, 5}, {2, 256, 7}}) {
+    auto a = randn(m * k, 41);
+    auto w = convert<T>(randn(n * k, 42, 0.1f));
+    std::vector<T> packed(packed_size<T>(tab, n, k));
+    tab->pack_weight(packed.data(), w.data(), dt, n, k);
+    std::vector<float> got[2], act[2];
+    for (int f = 0; f < 2; ++f) {
+      set_decode_fetch(f == 0 ? DecodeFetch::kNonTemporal : DecodeFetch::kL2Ahead);
+      got[f].resize(m * n);
+      act[f].resize(m * (n / 2));
+      tab->gemm(got[f].data(), a.data(), packed.data(), dt, nullptr, m, n, k, k, n);
+      tab->gemm_silu(act[f].data(), a.data(), packed.data(), dt, m, n / 2, k, k, n / 2);
+    }
+    ASSERT_EQ(0, std::memcmp(got[0].data(), got[1].data(), got[0].size() * 4)) << tab->isa << " m " << m << " k " << k;
+    ASSERT_EQ(0, std::memcmp(act[0].data(), act[1].data(), act[0].size() * 4)) << tab->isa << " m " << m << " k " << k;
+  }
+}
+
+TEST(DecodeFetch, VendorChoiceAndSameBitsEveryTable) {
+  EXPECT_EQ(decode_fetch_for("GenuineIntel"), DecodeFetch::kL2Ahead);
+  EXPECT_EQ(decode_fetch_for("AuthenticAMD"), DecodeFetch::kNonTemporal);
+  EXPECT_EQ(decode_fetch_for(""), DecodeFetch::kNonTemporal);
+  const DecodeFetch before = decode_fetch();
+  std::vector<const KernelTable*> tables = vector_tables();
+  tables.push_back(table_scalar());
+  const auto x = randn(100003, 43);
+  for (const KernelTable* tab : tables) {
+    check_fetch_same_bits<float>(tab, DType::F32);
+    check_fetch_same_bits<bf16>(tab, DType::BF16);
+#if !defined(__s390x__)
+    check_fetch_same_bits<f16>(tab, DType::F16);
+#endif
+    set_decode_fetch(DecodeFetch::kNonTemporal);
+    const float nta = tab->read_sum(x.data(), static_cast<int64_t>(x.size()));
+    set_decode_fetch(DecodeFetch::kL2Ahead);
+    EXPECT_EQ(nta, tab->read_sum(x.data(), static_cast<int64_t>(x.size()))) << tab->isa;
+  }
+  set_decode_fetch(before);
+}
+
 // The greedy LM head (kernels/greedy_head.hpp) answers what the same table's float32 GEMM and
 // argmax answer, on every table: rows far apart, near ties (columns whose logits differ by less
 // than the bfloat16 copy can tell), exact ties (the first index), a zero row (all logits 0), rows

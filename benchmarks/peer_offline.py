@@ -9,7 +9,9 @@ virtualenv), so it imports nothing of cpuserve at module level. Prints one JSON 
   so that no prefix cache helps);
 - peak_rss_mib: this process and its children (vLLM's engine core runs in a child).
 
-With --batch1-only, only ready_s and batch1_ms (peers.py's alternating batch-1 rounds).
+With --batch1-only, only ready_s and batch1_ms (peers.py's alternating batch-1 rounds). With
+--prefill-turns, a worker for peers.py's prefill rounds: "READY" once warm, then for each line read
+from stdin one new 2,048-token prompt to its first token, answered "PREFILL <seconds>".
 """
 from __future__ import annotations
 
@@ -81,6 +83,18 @@ def best(fn, repeats: int = 3) -> float:
     return out
 
 
+def prefill_turns(eng) -> None:
+    """Waits idle between prompts while the other engine runs its own (peers.prefill_in_turns)."""
+    import sys
+    eng.generate(prompts(1, LONG, 5), 1)
+    print("READY", flush=True)
+    for i, _ in enumerate(sys.stdin):
+        prompt = prompts(1, LONG, 1000 + i)
+        t0 = time.perf_counter()
+        eng.generate(prompt, 1)
+        print(f"PREFILL {time.perf_counter() - t0}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("engine", choices=["cpuserve", "vllm", "transformers"])
@@ -88,10 +102,13 @@ def main() -> None:
     ap.add_argument("dtype", choices=["float32", "bfloat16", "gguf", "gguf-int8", "w8a8"])
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--batch1-only", action="store_true", help="only batch1_ms (and ready_s)")
+    ap.add_argument("--prefill-turns", action="store_true", help="a worker of peers.prefill_in_turns")
     a = ap.parse_args()
     eng = {"cpuserve": CpuServe, "vllm": Vllm, "transformers": Transformers}[a.engine](a.model, a.dtype)
     res = {"ready_s": time.perf_counter() - T0}
     eng.generate(prompts(2, 16, 1), 4)  # warm-up
+    if a.prefill_turns:
+        return prefill_turns(eng)
     if not a.batch1_only:
         batch = prompts(NUM, IN_LEN, 2)
         t0 = time.perf_counter()

@@ -20,8 +20,9 @@ with EOS ignored; batch-1 decode ms/token; a 2,048-token prompt's prefill; servi
 concurrency 1/4/16/64 (benchmarks/serving.py's client); start to first /health 200 (cold:
 the first start in this run, warm: the next); peak RSS. Every figure is min/median over
 REPEATS runs; cpuserve's and vLLM's offline runs on the same weights take turns (taking_turns),
-so do their float32 served levels (serve_in_turns) and the batch-1 runs of cpuserve and
-llama.cpp (alternating_batch1). Writes
+so do their float32 served levels (serve_in_turns), their 2,048-token prefills prompt by prompt
+with both engines up (prefill_in_turns, PEERS_PREFILL_ROUNDS) and the batch-1 runs of cpuserve
+and llama.cpp (alternating_batch1). Writes
 docs/bench/PEERS.md, peers.json and peers.png.
 """
 from __future__ import annotations
@@ -166,6 +167,78 @@ def alternating_batch1(gguf: Path, rounds: int = int(os.environ.get("PEERS_BATCH
     return {name: {**{key: [min(r[i] for r in rs), statistics.median(r[i] for r in rs)]
                       for i, key in enumerate(("batch1_ms", "read_gbs"))}, "rounds": [list(r) for r in rs]}
             for name, rs in runs.items()}
+
+
+PREFILL_ROUNDS = int(os.environ.get("PEERS_PREFILL_ROUNDS", "8"))
+
+
+class PrefillWorker:
+    """An engine up and idle in `peer_offline.py --prefill-turns`: one new 2,048-token prompt to its
+    first token each time it is asked. A worker that dies, or answers nothing in 15 minutes, raises
+    with the tail of its stderr."""
+
+    def __init__(self, engine: str, dtype: str, model: Path):
+        py = str(vllm_python()) if engine == "vllm" else sys.executable
+        env = vllm_env() if engine == "vllm" else dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind")
+        self.name, self.err = f"{engine} {dtype}", tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([py, str(ROOT / "benchmarks" / "peer_offline.py"), engine, str(model), dtype,
+                                      "--prefill-turns"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.err, text=True, env=env, cwd="/tmp")
+        self.pid = self.proc.pid
+        self.expect("READY")
+
+    def expect(self, word: str) -> str:
+        import threading
+        watchdog = threading.Timer(900, self.proc.kill)
+        watchdog.start()
+        try:
+            for line in self.proc.stdout:
+                if line.startswith(word):
+                    return line
+        finally:
+            watchdog.cancel()
+        self.proc.wait()
+        self.err.seek(0)
+        tail = self.err.read().decode(errors="replace")[-1500:]
+        raise RuntimeError(f"{self.name} prefill worker ended ({self.proc.returncode}) before {word}: {tail}")
+
+    def prefill(self) -> float:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return float(self.expect("PREFILL").split()[1])
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(120)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+
+
+def prefill_in_turns(engines: dict, rounds: int = PREFILL_ROUNDS) -> dict:
+    """The 2,048-token prefill of engines on the same weights taking turns prompt by prompt, every
+    engine up (PrefillWorker): a prefill takes 0.5-3 s here, so one engine's best of three after the
+    other's meets other minutes of this machine (a run's float32 ratio moved 0.91x-1.09x between
+    sittings). The order flips each round (A B, B A, ...); each prefill keeps the CPU seconds the idle
+    engines used meanwhile. {name: {prefill_2048_s: [min, median], idle_cpu_s: most, rounds: [[s, idle
+    CPU s], ...] in order}}."""
+    up: dict[str, PrefillWorker] = {}
+    try:
+        for name, (engine, dtype, model) in engines.items():
+            up[name] = PrefillWorker(engine, dtype, model)
+        runs: dict[str, list[list[float]]] = {name: [] for name in up}
+        for r in range(rounds):
+            for name in list(up) if r % 2 == 0 else list(up)[::-1]:
+                idle = [w.pid for n, w in up.items() if n != name]
+                cpu0 = sum(map(tree_cpu_seconds, idle))
+                s = up[name].prefill()
+                runs[name].append([s, sum(map(tree_cpu_seconds, idle)) - cpu0])
+        return {name: {"prefill_2048_s": [min(x[0] for x in rs), statistics.median(x[0] for x in rs)],
+                       "idle_cpu_s": max(x[1] for x in rs), "rounds": rs} for name, rs in runs.items()}
+    finally:
+        for w in up.values():
+            w.close()
 
 
 # -- serving ----------------------------------------------------------------------------------------
@@ -439,6 +512,15 @@ def main() -> None:
         run_in_turns("offline", {f"cpuserve {name}": lambda d=dtype, m=model: python_offline("cpuserve", d, m),
                                  f"vLLM {name}": lambda d=dtype, m=peer_model: python_offline("vllm", d, m)},
                      taking_turns)
+    def prefill_pairs() -> dict:
+        out: dict = {}
+        for dtype, model in (("float32", gguf), ("bfloat16", gguf), ("w8a8", w8a8)):
+            name = "W8A8" if dtype == "w8a8" else dtype
+            peer_model = w8a8 if dtype == "w8a8" else hf_dir
+            attempt(out, name, lambda d=dtype, m=model, pm=peer_model, n=name: prefill_in_turns(
+                {f"cpuserve {n}": ("cpuserve", d, m), f"vLLM {n}": ("vllm", d, pm)}))
+        return out
+    run("top", "prefill_alternating", prefill_pairs)
     run("offline", "transformers float32", lambda: repeated(lambda: python_offline("transformers", "float32", hf_dir,
                                                                                    skip_prefill=True), 1))
     for kind, f in llama_files(gguf).items():
@@ -639,6 +721,7 @@ def report(res: dict) -> None:
     lines += ["", READY_NOTE]
     lines += turns_table(off)
     lines += alternating_table(res.get("batch1_alternating"))
+    lines += prefill_turns_table(res.get("prefill_alternating"))
     lines += serving_table(res["serving"])
     lines += served_turns_note(res["serving"])
     lines += served_steps_table(res["serving"])
@@ -669,6 +752,33 @@ def alternating_table(alt: dict | None) -> list[str]:
         rat = ratio(r["batch1_ms"], peer["batch1_ms"], "batch1_ms") if name.startswith("cpuserve") and peer else ""
         each = ", ".join(f"{ms:.2f} ({gbs:.0f})" for ms, gbs in r.get("rounds", [])) or "–"
         lines.append(f"| {name} | {fmt(r['batch1_ms'], 2)} | {fmt(r['read_gbs'], 1)} | {rat} | {each} |")
+    return lines
+
+
+def prefill_turns_table(pairs: dict | None) -> list[str]:
+    """The 2,048-token prefills that took turns prompt by prompt (prefill_in_turns), as report lines:
+    each pair's min / median, the peer's time over cpuserve's (of the medians, and the median of the
+    rounds' ratios), the rounds cpuserve was ahead in, each round's pair of times."""
+    if not pairs:
+        return []
+    lines = ["", "2,048-token prefill with cpuserve and vLLM on the same weights taking turns prompt by prompt, "
+             "both engines up, a new prompt each time (cpuserve first in odd rounds, vLLM first in even ones), so "
+             "that both sides of a ratio meet the same minutes of this machine:", "",
+             "| weights | cpuserve s min / median | vLLM s min / median | ratio: medians / rounds' median | "
+             "rounds ahead | each round: cpuserve / vLLM s | idle engine's CPU s at most |", "|---|---|---|---|---|---|---|"]
+    for label, pair in pairs.items():
+        if "error" in pair:
+            lines.append(f"| {label} | failed: {failure(pair['error'])} | | | | | |")
+            continue
+        ours, theirs = pair[f"cpuserve {label}"], pair[f"vLLM {label}"]
+        both = list(zip(ours["rounds"], theirs["rounds"]))
+        rats = [b[0] / a[0] for a, b in both]
+        mid = statistics.median(rats)
+        each = ", ".join(f"{a[0]:.2f} / {b[0]:.2f}" for a, b in both)
+        lines.append(f"| {label} | {fmt(ours['prefill_2048_s'], 2)} | {fmt(theirs['prefill_2048_s'], 2)} | "
+                     f"{ratio(ours['prefill_2048_s'], theirs['prefill_2048_s'], 'prefill_2048_s')} / "
+                     f"{f'**{mid:.2f}x**' if mid >= 1 else f'{mid:.2f}x'} | {sum(r > 1 for r in rats)} of {len(rats)} | "
+                     f"{each} | {max(ours['idle_cpu_s'], theirs['idle_cpu_s']):.2f} |")
     return lines
 
 

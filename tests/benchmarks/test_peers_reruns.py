@@ -139,3 +139,52 @@ def test_one_engine_repeated_keeps_min_and_median_without_rounds(monkeypatch):
     monkeypatch.setattr(peers, "read_gbs", lambda: 30.0 + next(probes))
     r = peers.repeated(lambda: {"batch1_ms": next(runs)}, n=3)
     assert r == {"batch1_ms": [3.0, 4.0], "read_gbs": [31.0, 32.0]}
+
+
+def test_prefills_take_turns_prompt_by_prompt_the_order_flipping_each_round(monkeypatch):
+    events, clock, times = [], iter(float(x) for x in range(100)), iter([2.6, 3.0, 2.8, 2.5, 2.7, 3.2])
+
+    class FakeWorker:
+        def __init__(self, engine, dtype, model):
+            events.append(("up", engine, dtype))
+            self.pid = len(events)
+
+        def prefill(self):
+            events.append(("prefill", self.pid))
+            return next(times)
+
+        def close(self):
+            events.append(("close", self.pid))
+    monkeypatch.setattr(peers, "PrefillWorker", FakeWorker)
+    monkeypatch.setattr(peers, "tree_cpu_seconds", lambda pid: next(clock))
+    both = peers.prefill_in_turns({"cpuserve float32": ("cpuserve", "float32", "m"),
+                                   "vLLM float32": ("vllm", "float32", "hf")}, rounds=3)
+    assert events == [("up", "cpuserve", "float32"), ("up", "vllm", "float32"), ("prefill", 1), ("prefill", 2),
+                      ("prefill", 2), ("prefill", 1), ("prefill", 1), ("prefill", 2), ("close", 1), ("close", 2)]
+    ours, theirs = both["cpuserve float32"], both["vLLM float32"]
+    assert [r[0] for r in ours["rounds"]] == [2.6, 2.5, 2.7] and [r[0] for r in theirs["rounds"]] == [3.0, 2.8, 3.2]
+    assert ours["prefill_2048_s"] == [2.5, 2.6] and theirs["prefill_2048_s"] == [2.8, 3.0]
+    assert ours["idle_cpu_s"] == 1.0  # the idle engine's CPU read before and after each prefill
+    row = peers.prefill_turns_table({"float32": both})[-1]
+    assert row.startswith("| float32 | 2.50 / 2.60 | 2.80 / 3.00 | **1.15x** / **1.15x** | 3 of 3 |"), row
+    assert row.endswith("| 2.60 / 3.00, 2.50 / 2.80, 2.70 / 3.20 | 1.00 |")
+    failed = peers.prefill_turns_table({"W8A8": {"error": "RuntimeError: vllm w8a8 prefill worker ended (1)"}})[-1]
+    assert failed.startswith("| W8A8 | failed: RuntimeError: vllm w8a8 prefill worker ended (1) |")
+    assert peers.prefill_turns_table(None) == []
+
+
+def test_a_prefill_worker_answers_each_line_with_a_new_long_prompts_time(monkeypatch, capsys):
+    import io
+    import peer_offline
+    seen = []
+
+    class Engine:
+        def generate(self, batch, tokens):
+            seen.append((tuple(batch[0]), tokens))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("go\ngo\n"))
+    peer_offline.prefill_turns(Engine())
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "READY" and [line.split()[0] for line in out[1:]] == ["PREFILL", "PREFILL"]
+    assert all(float(line.split()[1]) >= 0 for line in out[1:])
+    assert len(seen) == 3 and len({p for p, _ in seen}) == 3  # a warm-up, then a new prompt each time
+    assert all(len(p) == peer_offline.LONG and tokens == 1 for p, tokens in seen)

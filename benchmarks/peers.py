@@ -169,7 +169,7 @@ def alternating_batch1(gguf: Path, rounds: int = int(os.environ.get("PEERS_BATCH
             for name, rs in runs.items()}
 
 
-PREFILL_ROUNDS = int(os.environ.get("PEERS_PREFILL_ROUNDS", "8"))
+PREFILL_ROUNDS = int(os.environ.get("PEERS_PREFILL_ROUNDS", "10"))
 
 
 class PrefillWorker:

@@ -110,9 +110,16 @@ def vllm_env() -> dict:
 
 
 # -- offline --------------------------------------------------------------------------------------
+def offline_process(engine: str) -> tuple[str, dict]:
+    """The interpreter and environment that run peer_offline.py for an engine: vLLM's virtualenv and
+    tuning, or the project's (transformers: torch's threads unbound)."""
+    if engine == "vllm":
+        return str(vllm_python()), vllm_env()
+    return sys.executable, dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind")
+
+
 def python_offline(engine: str, dtype: str, model: Path, skip_prefill: bool = False, batch1_only: bool = False) -> dict:
-    py = str(vllm_python()) if engine == "vllm" else sys.executable
-    env = vllm_env() if engine == "vllm" else dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind")
+    py, env = offline_process(engine)
     args = [py, str(ROOT / "benchmarks" / "peer_offline.py"), engine, str(model), dtype] + \
         (["--skip-prefill"] if skip_prefill else []) + (["--batch1-only"] if batch1_only else [])
     r = subprocess.run(args, capture_output=True, text=True, env=env, cwd="/tmp", timeout=3600)
@@ -178,8 +185,7 @@ class PrefillWorker:
     with the tail of its stderr."""
 
     def __init__(self, engine: str, dtype: str, model: Path):
-        py = str(vllm_python()) if engine == "vllm" else sys.executable
-        env = vllm_env() if engine == "vllm" else dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind")
+        py, env = offline_process(engine)
         self.name, self.err = f"{engine} {dtype}", tempfile.TemporaryFile()
         self.proc = subprocess.Popen([py, str(ROOT / "benchmarks" / "peer_offline.py"), engine, str(model), dtype,
                                       "--prefill-turns"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -506,17 +512,16 @@ def main() -> None:
     off = res["offline"]
     from cpuserve.entrypoints.quantize import default_w8a8
     w8a8 = default_w8a8()
-    for dtype, model in (("float32", gguf), ("bfloat16", gguf), ("w8a8", w8a8)):
-        name = "W8A8" if dtype == "w8a8" else dtype
-        peer_model = w8a8 if dtype == "w8a8" else hf_dir
+    # (dtype, row name, cpuserve's weights, vLLM's): the rows of both engines on the same weights
+    same_weights = [(d, "W8A8" if d == "w8a8" else d, m, w8a8 if d == "w8a8" else hf_dir)
+                    for d, m in (("float32", gguf), ("bfloat16", gguf), ("w8a8", w8a8))]
+    for dtype, name, model, peer_model in same_weights:
         run_in_turns("offline", {f"cpuserve {name}": lambda d=dtype, m=model: python_offline("cpuserve", d, m),
                                  f"vLLM {name}": lambda d=dtype, m=peer_model: python_offline("vllm", d, m)},
                      taking_turns)
     def prefill_pairs() -> dict:
         out: dict = {}
-        for dtype, model in (("float32", gguf), ("bfloat16", gguf), ("w8a8", w8a8)):
-            name = "W8A8" if dtype == "w8a8" else dtype
-            peer_model = w8a8 if dtype == "w8a8" else hf_dir
+        for dtype, name, model, peer_model in same_weights:
             attempt(out, name, lambda d=dtype, m=model, pm=peer_model, n=name: prefill_in_turns(
                 {f"cpuserve {n}": ("cpuserve", d, m), f"vLLM {n}": ("vllm", d, pm)}))
         return out

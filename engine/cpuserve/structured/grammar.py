@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cpuserve.structured.spec import GrammarSpec
+from cpuserve.structured.spec import GrammarSpec, closed_schema, schema_text
 
 try:  # a wheel for x86_64 and arm64; none for s390x
     import llguidance as _llg
@@ -35,8 +35,9 @@ def available() -> bool:
 
 def grammar_text(spec: GrammarSpec) -> str:
     """The llguidance grammar for a spec (a Lark grammar, or GBNF translated to Lark)."""
-    if spec.kind in ("json", "json_object"):
-        schema = spec.text if spec.kind == "json" else json.dumps({"type": "object"})
+    if spec.kind in ("json", "json_object"):  # a schema closed as vLLM's xgrammar reads it (closed_schema)
+        schema = schema_text(closed_schema(json.loads(spec.text))) if spec.kind == "json" else \
+            json.dumps({"type": "object"})
         return _llg.LLMatcher.grammar_from_json_schema(schema, defaults=json_layout(spec.whitespace))
     if spec.kind == "regex":  # \d and \w as ASCII classes, as JSON Schema and xgrammar read them
         return _llg.grammar_from("lark", f"start: /{_llg.regex_to_lark(spec.text, 'dw')}/")

@@ -48,6 +48,83 @@ def schema_text(schema) -> str:
     return json.dumps(schema, separators=(",", ":"))
 
 
+# JSON Schema's keywords whose values are subschemas (closed_schema): the shape of a value inside
+# the instance (one schema, a map of them, a list of them), the same instance again (conjuncts:
+# each may name only part of its properties), or a test of it (left as written).
+_INSIDE = ("additionalProperties", "unevaluatedProperties", "items", "unevaluatedItems")
+_INSIDE_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_CONJUNCTS = ("then", "else")
+_ALTERNATIVES = ("anyOf", "oneOf")
+
+
+def closed_schema(schema):
+    """The schema as vLLM's default grammar engine reads it (xgrammar's strict mode): an object
+    schema that lists `properties` (or `patternProperties`) and says nothing of others gets no
+    others (`additionalProperties: false`), and a tuple (`prefixItems`) with nothing said of
+    later items no more items (`items: false`). By JSON Schema's letter both are open, and a
+    grammar engine that allows them lets a small model add keys a schema never named: a tool
+    call's arguments with a parameter the function does not take (seen: `{"city": "Paris",
+    "location": "Paris"}`). A schema that says `additionalProperties`, `items` or
+    `unevaluated...` keeps its word, and what may describe one object in parts stays open at its
+    top: `allOf` members and the definitions they refer to, `then` / `else` /
+    `dependentSchemas`, and a schema with properties beside any of those or `anyOf` / `oneOf` /
+    `$ref` (and those alternatives). Tests (`if`, `not`, `contains`, `propertyNames`) stay as written.
+    Pure: returns a new schema, the argument untouched."""
+    shared: set[str] = set()
+    _shared_refs(schema, shared)
+    return _closed(schema, shared, open_top=False)
+
+
+def _shared_refs(s, shared: set) -> None:
+    """Collects the `$ref`s that are members of an `allOf` (their targets stay open at the top)."""
+    if isinstance(s, list):
+        for x in s:
+            _shared_refs(x, shared)
+    elif isinstance(s, dict):
+        members = s.get("allOf")
+        for m in members if isinstance(members, list) else []:
+            if isinstance(m, dict) and isinstance(m.get("$ref"), str):
+                shared.add(m["$ref"])
+        for v in s.values():
+            _shared_refs(v, shared)
+
+
+def _closed(s, shared: set, open_top: bool):
+    if not isinstance(s, dict):
+        return s
+    out = dict(s)
+    parts = "properties" in out or "patternProperties" in out
+    in_parts = parts and any(k in out for k in ("anyOf", "oneOf", "allOf", "$ref", "then", "else", "dependentSchemas"))
+    for k in _INSIDE:
+        v = out.get(k)
+        if isinstance(v, dict):
+            out[k] = _closed(v, shared, False)
+        elif isinstance(v, list):  # draft 7's tuple `items`
+            out[k] = [_closed(x, shared, False) for x in v]
+    for k in _INSIDE_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: _closed(v, shared, f"#/{k}/{name}" in shared) for name, v in out[k].items()}
+    if isinstance(out.get("prefixItems"), list):
+        out["prefixItems"] = [_closed(x, shared, False) for x in out["prefixItems"]]
+    for k in _ALTERNATIVES:
+        if isinstance(out.get(k), list):
+            out[k] = [_closed(x, shared, in_parts) for x in out[k]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [_closed(x, shared, True) for x in out["allOf"]]
+    for k in _CONJUNCTS:
+        if isinstance(out.get(k), dict):
+            out[k] = _closed(out[k], shared, True)
+    if isinstance(out.get("dependentSchemas"), dict):
+        out["dependentSchemas"] = {name: _closed(v, shared, True) for name, v in out["dependentSchemas"].items()}
+    if open_top or in_parts:
+        return out
+    if parts and not ("additionalProperties" in out or "unevaluatedProperties" in out):
+        out["additionalProperties"] = False
+    if "prefixItems" in out and not ("items" in out or "unevaluatedItems" in out):
+        out["items"] = False
+    return out
+
+
 def _schema_text(schema, param: str) -> str:
     if isinstance(schema, str):
         try:

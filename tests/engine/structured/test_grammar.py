@@ -44,6 +44,19 @@ def test_json_properties_come_in_the_schemas_order(compiler, tokenizer):
     assert not accepted('{"age": 31, "name": "Ann"}')
 
 
+def test_an_object_gets_no_keys_its_schema_does_not_name_unless_it_allows_them(compiler, tokenizer):
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+    def accepted(schema, text):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return compiler.matcher(from_fields(guided_json=schema)).try_consume_tokens(ids) == len(ids)
+    assert accepted(city, '{"city": "Paris"}')
+    assert not accepted(city, '{"city": "Paris", "location": "Paris"}')
+    assert accepted({**city, "additionalProperties": True}, '{"city": "Paris", "location": "Paris"}')
+    pair = {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]}
+    assert accepted(pair, '[1, "a"]') and not accepted(pair, '[1, "a", 2]')
+
+
 def test_constrained_row_only_samples_allowed_tokens_and_the_grammar_wins(compiler, tokenizer):
     eos = min(compiler.tokenizer.eos_tokens)
     free = Sequence([1, 2, 3], SamplingParams(temperature=0))

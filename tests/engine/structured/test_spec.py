@@ -5,7 +5,7 @@ import json
 import pytest
 
 from cpuserve.structured import grammar
-from cpuserve.structured.spec import MAX_CHOICES, GrammarSpec, SpecError, from_fields
+from cpuserve.structured.spec import MAX_CHOICES, GrammarSpec, SpecError, closed_schema, from_fields
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 
@@ -76,3 +76,44 @@ def test_client_mistakes_name_the_field(fields, param):
 ])
 def test_validate(spec, ok):
     assert (grammar.validate(spec) == "") == ok
+
+
+OBJ = {"type": "object", "properties": {"a": {"type": "integer"}}}
+CLOSED = {**OBJ, "additionalProperties": False}
+
+
+@pytest.mark.parametrize("schema, want", [
+    (OBJ, CLOSED),
+    ({"type": "object"}, {"type": "object"}),  # no properties named: any object, as json_object
+    (True, True),
+    ({**OBJ, "additionalProperties": True}, {**OBJ, "additionalProperties": True}),
+    ({**OBJ, "additionalProperties": {"type": "string"}}, {**OBJ, "additionalProperties": {"type": "string"}}),
+    ({**OBJ, "unevaluatedProperties": True}, {**OBJ, "unevaluatedProperties": True}),
+    ({"patternProperties": {"^x": {}}}, {"patternProperties": {"^x": {}}, "additionalProperties": False}),
+    # nested: inside properties, items, definitions and alternatives
+    ({"type": "object", "properties": {"p": OBJ}}, {"type": "object", "properties": {"p": CLOSED},
+                                                    "additionalProperties": False}),
+    ({"type": "array", "items": OBJ}, {"type": "array", "items": CLOSED}),
+    ({"$defs": {"T": OBJ}, "$ref": "#/$defs/T"}, {"$defs": {"T": CLOSED}, "$ref": "#/$defs/T"}),
+    ({"anyOf": [OBJ, {"type": "null"}]}, {"anyOf": [CLOSED, {"type": "null"}]}),
+    # tuples: no items past prefixItems unless said
+    ({"prefixItems": [{"type": "integer"}]}, {"prefixItems": [{"type": "integer"}], "items": False}),
+    ({"prefixItems": [{"type": "integer"}], "items": {"type": "string"}},
+     {"prefixItems": [{"type": "integer"}], "items": {"type": "string"}}),
+    # one object in parts stays open at the top: allOf members (and their $ref targets), a
+    # schema with properties beside alternatives or a $ref, then / else
+    ({"allOf": [OBJ, {"properties": {"b": OBJ}}]},
+     {"allOf": [OBJ, {"properties": {"b": CLOSED}}]}),
+    ({"$defs": {"Base": OBJ}, "allOf": [{"$ref": "#/$defs/Base"}, {"properties": {"b": {}}}]},
+     {"$defs": {"Base": OBJ}, "allOf": [{"$ref": "#/$defs/Base"}, {"properties": {"b": {}}}]}),
+    ({**OBJ, "anyOf": [{"properties": {"b": {}}}, {"properties": {"c": {}}}]},
+     {**OBJ, "anyOf": [{"properties": {"b": {}}}, {"properties": {"c": {}}}]}),
+    ({**OBJ, "if": OBJ, "then": {"properties": {"b": {}}}},
+     {**OBJ, "if": OBJ, "then": {"properties": {"b": {}}}}),
+    # tests of the instance stay as written
+    ({"not": OBJ}, {"not": OBJ}),
+])
+def test_closed_schema_closes_what_says_nothing_of_more(schema, want):
+    before = json.dumps(schema)
+    assert closed_schema(schema) == want
+    assert json.dumps(schema) == before  # the client's schema is untouched

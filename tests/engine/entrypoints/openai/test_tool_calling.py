@@ -62,6 +62,18 @@ def test_enforced_calls_parse_against_the_schema_streamed_and_not(client, choice
     assert all(x["id"] for x in calls)
 
 
+def test_enforced_arguments_hold_only_the_parameters_the_function_names(client):
+    """A parameters schema that says nothing of other keys gets none (as vLLM's xgrammar reads
+    it): the 135M model, free to, added `"location": "Paris"` beside `city`."""
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}}]
+    ask = [{"role": "user", "content": "Weather in Paris and Rome?"}]
+    for choice in ("required", NAMED):
+        r = create(client, messages=ask, tools=tools, tool_choice=choice, parallel_tool_calls=False)
+        args = [json.loads(c.function.arguments) for c in r.choices[0].message.tool_calls]
+        assert args and all(set(a) == {"city"} for a in args), args
+
+
 def test_round_trip_through_the_chat_template(client):
     first = create(client, tool_choice=NAMED).choices[0].message
     call = first.tool_calls[0]

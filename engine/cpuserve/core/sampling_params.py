@@ -102,6 +102,19 @@ class SamplingParams:
         if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
             bad(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
 
+    def vocab_error(self, vocab_size: int) -> tuple[str, str] | None:
+        """(message, field) where a token id the request names is outside the model's vocabulary,
+        else None: allowed_token_ids, and logit_bias (a bias on a token the model cannot produce
+        was silently dropped before; vLLM refuses it too)."""
+        allowed = self.allowed_token_ids
+        if allowed and (min(allowed) < 0 or max(allowed) >= vocab_size):
+            return f"allowed_token_ids must be in [0, {vocab_size})", "allowed_token_ids"
+        outside = sorted(t for t in (self.logit_bias or {}) if not 0 <= int(t) < vocab_size)
+        if outside:
+            return (f"logit_bias names token ids outside the vocabulary [0, {vocab_size}): "
+                    f"{', '.join(map(str, outside[:5]))}{', ...' if len(outside) > 5 else ''}", "logit_bias")
+        return None
+
     @property
     def stop_strings(self) -> list[str]:
         return self._stop

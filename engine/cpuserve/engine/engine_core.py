@@ -49,9 +49,9 @@ class EngineCore:
             raise ValueError("the prompt is empty")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        allowed = params.allowed_token_ids
-        if allowed and (min(allowed) < 0 or max(allowed) >= self.vocab_size):
-            raise ValueError(f"allowed_token_ids must be in [0, {self.vocab_size})")
+        err = params.vocab_error(self.vocab_size)
+        if err:
+            raise ValueError(err[0])
         self.scheduler.check_admissible(len(prompt_token_ids), params.max_tokens)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -124,6 +124,8 @@ def test_allowed_token_ids_are_all_that_is_sampled(llm_f32):
         assert len(out.token_ids) == 12 and set(out.token_ids) <= set(allowed)
     with pytest.raises(ValueError, match="allowed_token_ids"):
         llm_f32.generate("x", SamplingParams(max_tokens=2, allowed_token_ids=[10 ** 9]))
+    with pytest.raises(ValueError, match="logit_bias names token ids outside the vocabulary .*: -1, 1000000000"):
+        llm_f32.generate("x", SamplingParams(max_tokens=2, logit_bias={10 ** 9: 1.0, -1: 2.0}))
     with pytest.raises(ValueError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=[])
 

@@ -126,9 +126,9 @@ async def generate(request: Request, prompts: list[Prompt], stream_fn, final_fn,
     base = f"{request.state.request_id}-{uuid.uuid4().hex[:8]}"
     vocab = st.engine.info.vocab_size
     for _, ids, params in prompts:
-        allowed = params.allowed_token_ids
-        if allowed and (min(allowed) < 0 or max(allowed) >= vocab):
-            raise APIError(400, f"allowed_token_ids must be in [0, {vocab})", param="allowed_token_ids")
+        err = params.vocab_error(vocab)
+        if err:
+            raise APIError(400, err[0], param=err[1])
         try:
             st.engine.check(len(ids), params)
         except RequestRejected as e:

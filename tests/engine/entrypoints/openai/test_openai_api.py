@@ -164,6 +164,7 @@ def test_vllm_extras_allowed_tokens_truncation_and_unknown_fields(server, client
                                           extra_body={"truncate_prompt_tokens": 5})
     assert chat.usage.prompt_tokens == 5
     for body, param in (({"allowed_token_ids": [10 ** 9]}, "allowed_token_ids"),
+                        ({"logit_bias": {"99999999": 5}}, "logit_bias"),
                         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
                         ({"use_beam_search": True}, None), ({"bad_words": ["x"]}, None)):
         r = httpx.post(server.url + "/v1/completions", json={"model": "smollm2", "prompt": PROMPT, **body})

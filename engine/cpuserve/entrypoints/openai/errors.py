@@ -25,6 +25,10 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """One message naming every invalid field, and the first field as `param`."""
     errs = exc.errors()
     first = errs[0] if errs else {}
+    if first.get("type") == "json_invalid":  # its loc is a character position, not a field
+        where = first.get("loc", ("body", "?"))[-1]
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', 'decode error')} " \
+               f"(at character {where})", None
     param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
     msg = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}" for e in errs)
     return msg or "invalid request", param

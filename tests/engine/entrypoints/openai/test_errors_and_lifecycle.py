@@ -50,6 +50,8 @@ def test_invalid_chat_requests_are_400(server):
     r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400
+    err = r.json()["error"]  # the JSON decoder's reason and where, not a field named "1"
+    assert err["param"] is None and err["message"].startswith("the request body is not valid JSON: Expecting"), err
 
 
 def test_prompt_longer_than_context_is_400(server):

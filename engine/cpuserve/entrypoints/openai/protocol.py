@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cpuserve.core.sampling_params import SamplingParams
+from cpuserve.entrypoints.openai.streaming import StreamUsage
 from cpuserve.entrypoints.openai.tools import NamedToolChoice, ToolDef
 from cpuserve.structured.spec import GrammarSpec, from_fields
 
@@ -22,6 +23,7 @@ MAX_TOOLS = 128
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 def lone_surrogate(value) -> str | None:
@@ -87,6 +89,7 @@ class SamplingFields(RequestBody):
     stream_options: StreamOptions | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:{id}", not their text
     user: str | None = None
     # structured output: OpenAI's response_format, vLLM's guided_* extras and structured_outputs
     response_format: dict | None = None
@@ -132,6 +135,13 @@ class SamplingFields(RequestBody):
             allowed_token_ids=self.allowed_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
             structured=structured)
+
+    @property
+    def stream_usage(self) -> StreamUsage:
+        """Where a stream reports its usage: stream_options' include_usage (a last chunk), and
+        vLLM's continuous_usage_stats (every chunk too: only with include_usage, as in vLLM)."""
+        o = self.stream_options or StreamOptions()
+        return StreamUsage(o.include_usage, o.include_usage and o.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingFields):

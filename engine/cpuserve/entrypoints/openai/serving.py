@@ -99,6 +99,21 @@ def truncated(ids: list[int], keep: int | None, max_model_len: int) -> list[int]
     return ids[-(max_model_len if keep == -1 else keep):]
 
 
+class TokenText:
+    """How logprobs name a token: its text, or (vLLM's return_tokens_as_token_ids) "token_id:{id}",
+    which a client can map back to the token where its text is not valid UTF-8 on its own (a
+    byte-fallback piece of a multi-byte character) or is shared by several tokens."""
+
+    def __init__(self, tokenizer, as_ids: bool = False):
+        self.tokenizer, self.as_ids = tokenizer, as_ids
+
+    def __call__(self, tid: int) -> str:
+        return f"token_id:{tid}" if self.as_ids else self.text(tid)
+
+    def text(self, tid: int) -> str:
+        return self.tokenizer.decode([tid])
+
+
 def prompt_logprobs_json(out, top: int, tokenizer) -> list[dict | None]:
     """vLLM's prompt_logprobs of a response: per prompt token None (the first) or {token id: {logprob,
     rank, decoded_token}}, the prompt token's own entry first with its rank in the distribution, then

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from typing import AsyncIterator
+
+
+@dataclass(frozen=True)
+class StreamUsage:
+    """Where a stream reports its token usage: in a last chunk without choices (`final`), and in
+    every chunk with the counts so far (`every_chunk`)."""
+    final: bool = False
+    every_chunk: bool = False
 
 
 def sse(obj: dict | str) -> str:

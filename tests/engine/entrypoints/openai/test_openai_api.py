@@ -27,6 +27,22 @@ def test_completion_stream_equals_non_stream(client):
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens and not chunks[-1].choices
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): the counts never fall and
+    end at the final chunk's; without include_usage it asks for nothing."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    for create, kw in ((client.completions.create, {"prompt": PROMPT}),
+                       (client.chat.completions.create, {"messages": CHAT, "n": 2})):
+        chunks = list(create(model="smollm2", max_tokens=12, temperature=0, stream=True, stream_options=opts,
+                             extra_body={"ignore_eos": True}, **kw))
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert all(c.usage is not None and c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+        assert counts == sorted(counts) and counts[-1] == 12 * kw.get("n", 1) and not chunks[-1].choices
+        plain = list(create(model="smollm2", max_tokens=4, temperature=0, stream=True,
+                            stream_options={"continuous_usage_stats": True}, **kw))
+        assert all(c.usage is None for c in plain)
+
+
 def test_chat_stream_and_not(client, llm_f32):
     full = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=30, temperature=0)
     want = llm_f32.chat(CHAT, SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
@@ -63,6 +79,24 @@ def test_logprobs(client):
                                        top_logprobs=2)
     content = c.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+
+
+def test_return_tokens_as_token_ids_names_each_token_by_its_id(client, llm_f32):
+    """vLLM's return_tokens_as_token_ids: "token_id:{id}" wherever logprobs name a token (its text
+    may be part of a character, or shared by several tokens); the text and its offsets unchanged."""
+    kw = dict(model="smollm2", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
+    plain = client.completions.create(**kw).choices[0]
+    by_id = client.completions.create(**kw, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    tok = llm_f32.get_tokenizer()
+    ids = [int(t.removeprefix("token_id:")) for t in by_id.logprobs.tokens]
+    assert by_id.text == plain.text and [tok.decode([i]) for i in ids] == plain.logprobs.tokens
+    assert by_id.logprobs.text_offset == plain.logprobs.text_offset
+    assert all(k.startswith("token_id:") for top in by_id.logprobs.top_logprobs for k in top)
+    chat = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=3, temperature=0, logprobs=True,
+                                          top_logprobs=2, extra_body={"return_tokens_as_token_ids": True})
+    first = chat.choices[0].logprobs.content[0]
+    assert first.token.startswith("token_id:") and bytes(first.bytes).decode() == first.token
+    assert all(t.token.startswith("token_id:") for t in first.top_logprobs)
 
 
 def test_echo_with_prompt_logprobs(server, client, llm_f32):

@@ -12,9 +12,9 @@ from cpuserve.entrypoints.openai import links
 from cpuserve.entrypoints.openai import tools as tl
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import ChatCompletionRequest, now, usage
-from cpuserve.entrypoints.openai.serving import (ServerState, constraint, generate, prompt_logprobs_json, rendered,
-                                                  sampling_params, server_state, truncated)
-from cpuserve.entrypoints.openai.streaming import DeltaTracker, sse
+from cpuserve.entrypoints.openai.serving import (ServerState, TokenText, constraint, generate, prompt_logprobs_json,
+                                                  rendered, sampling_params, server_state, truncated)
+from cpuserve.entrypoints.openai.streaming import DeltaTracker, StreamUsage, sse
 
 router = APIRouter()
 
@@ -36,8 +36,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         raise APIError(400, "response_format and guided_* cannot be combined with tool_choice 'required' or a "
                        "named function (the tool call's schema is the constraint)", param="tool_choice")
     params = sampling_params(req.sampling_params, max_tokens, top if req.logprobs else None, spec or enforced)
-    view = ChatView(st, params, top, len(ids), bool(req.stream_options and req.stream_options.include_usage),
-                    mode, req.prompt_logprobs)
+    view = ChatView(st, params, top, len(ids), req.stream_usage, mode, req.prompt_logprobs,
+                    req.return_tokens_as_token_ids)
     return await generate(request, [(None, ids, params)], view.stream, view.final, req.stream)
 
 
@@ -61,10 +61,12 @@ def render_conversation(req: ChatCompletionRequest, tok) -> list[int]:
 class ChatView:
     """Renders engine outputs as chat.completion objects, whole or as chunks."""
 
-    def __init__(self, st: ServerState, params: SamplingParams, top: int, prompt_tokens: int, include_usage: bool,
-                 mode: str = "none", prompt_top: int | None = None):
+    def __init__(self, st: ServerState, params: SamplingParams, top: int, prompt_tokens: int,
+                 stream_usage: StreamUsage = StreamUsage(), mode: str = "none", prompt_top: int | None = None,
+                 tokens_as_ids: bool = False):
         self.st, self.params, self.top = st, params, top
-        self.prompt_tokens, self.include_usage = prompt_tokens, include_usage
+        self.prompt_tokens, self.stream_usage = prompt_tokens, stream_usage
+        self.token_text = TokenText(st.tokenizer, tokens_as_ids)
         self.created = now()
         self.mode = mode
         self.prompt_top = prompt_top  # the request's prompt_logprobs: the answer carries the prompt's
@@ -96,12 +98,12 @@ class ChatView:
     def logprobs(self, comp, start: int, end: int) -> dict | None:
         if comp.logprobs is None:
             return None
-        tok, out = self.st.tokenizer, []
+        name, out = self.token_text, []
         for tid, entry in zip(comp.token_ids[start:end], comp.logprobs[start:end]):
-            s = tok.decode([tid])
+            s = name(tid)
             ranked = sorted(entry.items(), key=lambda kv: -kv[1])[: self.top]
             out.append({"token": s, "logprob": entry.get(tid), "bytes": list(s.encode()),
-                        "top_logprobs": [{"token": (ts := tok.decode([t])), "logprob": lp,
+                        "top_logprobs": [{"token": (ts := name(t)), "logprob": lp,
                                           "bytes": list(ts.encode())} for t, lp in ranked]})
         return {"content": out}
 
@@ -120,6 +122,11 @@ class ChatView:
     async def stream(self, base: str, items):
         head = self.head(base, "chat.completion.chunk")
         deltas, tools = DeltaTracker(self.params.stop_strings), {}
+
+        def so_far() -> dict:
+            if not self.stream_usage.every_chunk:
+                return {}
+            return {"usage": usage(self.prompt_tokens, deltas.completion_tokens())}
         try:
             async for _, out in items:
                 for c in out.outputs:
@@ -127,14 +134,14 @@ class ChatView:
                     if k not in tools:
                         tools[k] = self.tool_stream()
                         yield sse({**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
-                                                        "logprobs": None, "finish_reason": None}]})
+                                                        "logprobs": None, "finish_reason": None}], **so_far()})
                     step = deltas.advance(k, c)
                     if step is None:
                         continue
                     text, t0, _, done = step
                     yield sse({**head, "choices": [{"index": k, **self.delta(tools[k], text, done, c),
-                                                    "logprobs": self.logprobs(c, t0, len(c.token_ids))}]})
-            if self.include_usage:
+                                                    "logprobs": self.logprobs(c, t0, len(c.token_ids))}], **so_far()})
+            if self.stream_usage.final:
                 yield sse({**head, "choices": [], "usage": usage(self.prompt_tokens, deltas.completion_tokens())})
             yield sse("[DONE]")
         except APIError as e:

@@ -11,9 +11,9 @@ from cpuserve.engine.outputs import CompletionOutput, RequestOutput
 from cpuserve.entrypoints.openai import links
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import CompletionRequest, now, usage
-from cpuserve.entrypoints.openai.serving import (ServerState, constraint, generate, prompt_logprobs_json,
+from cpuserve.entrypoints.openai.serving import (ServerState, TokenText, constraint, generate, prompt_logprobs_json,
                                                   sampling_params, server_state, truncated)
-from cpuserve.entrypoints.openai.streaming import DeltaTracker, sse
+from cpuserve.entrypoints.openai.streaming import DeltaTracker, StreamUsage, sse
 
 router = APIRouter()
 
@@ -34,8 +34,8 @@ async def completions(req: CompletionRequest, request: Request):
     # echo with logprobs: the prompt's logprobs too; max_tokens 0 runs one token, never shown
     params = sampling_params(req.sampling_params, max(1, req.max_tokens) if req.max_tokens is not None else None,
                              req.logprobs, spec, req.logprobs if req.echo else None)
-    view = CompletionView(st, params, bool(req.stream_options and req.stream_options.include_usage),
-                          Echo(req.echo, req.max_tokens == 0), req.prompt_logprobs)
+    view = CompletionView(st, params, req.stream_usage, Echo(req.echo, req.max_tokens == 0), req.prompt_logprobs,
+                          req.return_tokens_as_token_ids)
     return await generate(request, [(t, ids, params) for t, ids in prompts], view.stream, view.final, req.stream)
 
 
@@ -103,10 +103,11 @@ class CompletionView:
     """Renders engine outputs as text_completion objects, whole or as stream chunks.
     Choice index = prompt index * n + the completion's own index."""
 
-    def __init__(self, st: ServerState, params: SamplingParams, include_usage: bool, echo: Echo = Echo(),
-                 prompt_top: int | None = None):
-        self.st, self.params, self.include_usage, self.echo = st, params, include_usage, echo
+    def __init__(self, st: ServerState, params: SamplingParams, stream_usage: StreamUsage = StreamUsage(),
+                 echo: Echo = Echo(), prompt_top: int | None = None, tokens_as_ids: bool = False):
+        self.st, self.params, self.stream_usage, self.echo = st, params, stream_usage, echo
         self.prompt_top = prompt_top  # the request's prompt_logprobs: each choice carries its prompt's
+        self.token_text = TokenText(st.tokenizer, tokens_as_ids)
         self.created = now()
 
     def head(self, base: str) -> dict:
@@ -116,16 +117,15 @@ class CompletionView:
     def logprobs(self, comp, start: int, end: int, offset0: int) -> dict | None:
         if comp.logprobs is None:
             return None
-        tok = self.st.tokenizer
+        name = self.token_text
         toks, lps, tops, offs, off = [], [], [], [], offset0
         for tid, entry in zip(comp.token_ids[start:end], comp.logprobs[start:end]):
-            s = tok.decode([tid])
-            toks.append(s)
+            toks.append(name(tid))
             lps.append(None if entry is None else entry.get(tid))  # None: the prompt's first token
             top = [] if entry is None else sorted(entry.items(), key=lambda kv: -kv[1])[: self.params.logprobs]
-            tops.append(None if entry is None else {tok.decode([t]): lp for t, lp in top})
+            tops.append(None if entry is None else {name(t): lp for t, lp in top})
             offs.append(off)
-            off += len(s)
+            off += len(name.text(tid))  # offsets into the text, whatever names the tokens
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
     def final(self, base: str, outs: list[RequestOutput]) -> dict:
@@ -157,8 +157,10 @@ class CompletionView:
                     chunk = {"index": key, "text": delta, "logprobs": self.logprobs(c, t0, len(c.token_ids), offset),
                              "finish_reason": c.finish_reason if done else None,
                              "stop_reason": c.stop_reason if done else None}
-                    yield sse({**self.head(base), "choices": [chunk]})
-            if self.include_usage:
+                    so_far = usage(sum(prompt_tokens.values()), sum(generated.values()))
+                    yield sse({**self.head(base), "choices": [chunk],
+                               **({"usage": so_far} if self.stream_usage.every_chunk else {})})
+            if self.stream_usage.final:
                 yield sse({**self.head(base), "choices": [],
                            "usage": usage(sum(prompt_tokens.values()), sum(generated.values()))})
             yield sse("[DONE]")

@@ -18,6 +18,13 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """vLLM's: the sum of the sampled tokens' logprobs, where logprobs were asked for (else None)."""
+        if self.logprobs is None:
+            return None
+        return float(sum(lp[t] for t, lp in zip(self.token_ids, self.logprobs)))
+
 
 @dataclass
 class RequestOutput:

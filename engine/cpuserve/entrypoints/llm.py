@@ -34,7 +34,10 @@ class LLM:
         return self.engine.embed(list(prompts))
 
     def generate(self, prompts: PromptType | Seq[PromptType],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """vLLM's LLM.generate: one RequestOutput per prompt, in order. `use_tqdm`: a progress bar of
+        finished requests (vLLM shows one by default; here it is asked for)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -54,7 +57,7 @@ class LLM:
                     prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
                 self.engine.add_request(rid, prompt, p, final_only=True)
                 ids.append(rid)
-            return self._run(ids)
+            return self._run(ids, use_tqdm)
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -62,20 +65,39 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True, chat_template: str | None = None,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """vLLM's LLM.chat: each conversation through the chat template, its last message answered, or
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """vLLM's LLM.chat: each conversation through the chat template (with `tools`, OpenAI-shaped
+        function definitions, as template variables), its last message answered, or
         (continue_final_message, with add_generation_prompt False) continued."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        prompts = [tok.encode(apply_chat_template(tok, conv, add_generation_prompt, chat_template, continue_final_message,
-                                                  **(chat_template_kwargs or {})),
+        variables = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        prompts = [tok.encode(apply_chat_template(tok, conv, add_generation_prompt, chat_template,
+                                                  continue_final_message, **variables),
                               add_special_tokens=False) for conv in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str]) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool = False) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
+        bar = _progress(len(ids)) if use_tqdm else None
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
         return [final[r] for r in ids]
+
+
+def _progress(total: int):
+    """A tqdm bar of finished requests, or None where tqdm is not installed (it is no dependency)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="Processed prompts", unit="req")

@@ -1,0 +1,39 @@
+"""The offline API's vLLM-shaped extras on the real model: LLM.generate's and LLM.chat's
+use_tqdm, LLM.chat's tools, CompletionOutput.cumulative_logprob."""
+import math
+
+from cpuserve import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def test_use_tqdm_shows_a_bar_of_finished_requests_and_changes_nothing_else(llm_f32, capsys):
+    quiet = llm_f32.generate(["Hello", "Goodbye"], GREEDY)
+    assert "Processed prompts" not in capsys.readouterr().err
+    shown = llm_f32.generate(["Hello", "Goodbye"], GREEDY, use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "2/2" in err
+    assert [o.outputs[0].token_ids for o in shown] == [o.outputs[0].token_ids for o in quiet]
+    chat = llm_f32.chat([{"role": "user", "content": "Hi"}], GREEDY, use_tqdm=True)
+    assert chat[0].outputs[0].token_ids and "1/1" in capsys.readouterr().err
+
+
+def test_chat_passes_tools_to_the_template(llm_f32):
+    template = ("{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    convo = [{"role": "user", "content": "Weather?"}]
+    tok = llm_f32.get_tokenizer()
+    with_tools = llm_f32.chat(convo, GREEDY, chat_template=template, add_generation_prompt=False, tools=tools)[0]
+    without = llm_f32.chat(convo, GREEDY, chat_template=template, add_generation_prompt=False)[0]
+    assert tok.decode(with_tools.prompt_token_ids) == "[get_weather]Weather?"
+    assert tok.decode(without.prompt_token_ids) == "Weather?"
+
+
+def test_cumulative_logprob_is_the_sum_of_the_sampled_tokens_logprobs(llm_f32):
+    for params in (SamplingParams(temperature=0, max_tokens=5, logprobs=0),
+                   SamplingParams(temperature=1.0, seed=3, max_tokens=5, logprobs=2)):
+        c = llm_f32.generate("The capital of France is", params)[0].outputs[0]
+        want = sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs))
+        assert math.isclose(c.cumulative_logprob, want) and c.cumulative_logprob < 0
+    assert llm_f32.generate("Hi", GREEDY)[0].outputs[0].cumulative_logprob is None

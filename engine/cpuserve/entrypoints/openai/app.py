@@ -16,12 +16,13 @@ import cpuserve
 from cpuserve.engine.async_engine import AsyncEngine
 from cpuserve.entrypoints.openai.errors import error_response, install_error_handlers
 from cpuserve.entrypoints.openai.metrics import Metrics
-from cpuserve.entrypoints.openai.routers import chat, completions, embeddings, health, models, tokenize
+from cpuserve.entrypoints.openai.routers import chat, completions, embeddings, health, models, responses, tokenize
 from cpuserve.entrypoints.openai.serving import ServerState
 
 log = logging.getLogger("cpuserve.api")
 
-ROUTERS = (models.router, completions.router, chat.router, embeddings.router, tokenize.router, health.router)
+ROUTERS = (models.router, completions.router, chat.router, responses.router, embeddings.router, tokenize.router,
+           health.router)
 # Answered while the model loads (everything else gets 503 until it is ready).
 SERVED_WHILE_LOADING = ("/version", "/openapi.json", "/docs", "/metrics")
 

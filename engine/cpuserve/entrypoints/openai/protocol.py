@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from cpuserve.core.sampling_params import SamplingParams
 from cpuserve.entrypoints.openai.streaming import StreamUsage
 from cpuserve.entrypoints.openai.tools import NamedToolChoice, ToolDef
-from cpuserve.structured.spec import GrammarSpec, from_fields
+from cpuserve.structured.spec import GrammarSpec, SpecError, from_fields, from_response_format
 
 log = logging.getLogger("cpuserve.api")
 
@@ -236,6 +236,82 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+
+
+class InputText(BaseModel):
+    """A text part of a Responses API input message (input_text, or an earlier answer's output_text)."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class InputMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[InputText]
+
+
+class ResponsesRequest(ChatTemplateFields):
+    """OpenAI's Responses API (POST /v1/responses), stateless: the conversation comes whole in
+    `input` (a string: one user message) after `instructions` (a system message); `text.format`
+    constrains the answer as chat's response_format does (its json_schema flattened). What this
+    server does not serve is a 400 naming it: stored responses (previous_response_id), tools,
+    background runs."""
+    model: str | None = None
+    input: str | list[InputMessage]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool = False
+    text: dict | None = None
+    store: bool | None = None  # accepted; nothing is stored, so the answer says store: false
+    previous_response_id: str | None = None
+    background: bool = False
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    reasoning: dict | None = None  # accepted, as OpenAI's models without reasoning do
+    truncation: Literal["auto", "disabled"] | None = None
+    chat_template: str | None = None  # vLLM's: a template of the request's own
+
+    def unserved(self) -> tuple[str, str] | None:
+        """(message, field) for what the request asks that this server does not serve, else None."""
+        if self.previous_response_id is not None:
+            return ("this server stores no responses: send the whole conversation as input",
+                    "previous_response_id")
+        if self.background:
+            return "background responses are not served here", "background"
+        if self.tools:
+            return "tool calls are served on /v1/chat/completions, not on /v1/responses", "tools"
+        if isinstance(self.input, list) and not self.input:
+            return "input must be a string or at least one message", "input"
+        return None
+
+    @property
+    def messages(self) -> list[ChatMessage]:
+        """The conversation for the chat template: instructions first, as the system message."""
+        turns = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        head = [ChatMessage(role="system", content=self.instructions)] if self.instructions is not None else []
+        return head + [ChatMessage(role=m.role, content=m.content if isinstance(m.content, str)
+                                   else "".join(p.text for p in m.content)) for m in turns]
+
+    @property
+    def format(self) -> dict:
+        return (self.text or {}).get("format") or {"type": "text"}
+
+    def constraint(self) -> GrammarSpec | None:
+        """text.format as chat's response_format (its json_schema's name, schema and strict flattened)."""
+        fmt = self.format
+        if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+            if fmt.get("schema") is None:
+                raise SpecError("text.format.schema is missing (a json_schema format holds name and schema)",
+                                "text.format")
+            fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+        return from_response_format(fmt, "text.format")
 
 
 class TokenizeRequest(ChatTemplateFields):

@@ -75,7 +75,8 @@ async def constraint(req) -> GrammarSpec | None:
 
 def _field_of(req) -> str:
     return next((f for f in ("response_format", "structured_outputs", "guided_json", "guided_regex",
-                             "guided_choice", "guided_grammar") if getattr(req, f, None) is not None), "response_format")
+                             "guided_choice", "guided_grammar", "text") if getattr(req, f, None) is not None),
+                "response_format")
 
 
 def rendered(req, tok, chat_template: str | None = None, **extra) -> str:

@@ -5,6 +5,39 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class Logprob(float):
+    """A logprob as the offline API gives it: a float (arithmetic, comparison and JSON as before),
+    with vLLM's Logprob fields beside it: `.logprob`, `.rank` (1: the most likely token; None where
+    the entry does not show it: a sampled token outside the top N), `.decoded_token`."""
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, value: float, rank: int | None = None, decoded_token: str | None = None):
+        lp = super().__new__(cls, value)
+        lp.rank, lp.decoded_token = rank, decoded_token
+        return lp
+
+    def __reduce__(self):
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+
+def logprob_entry(entry: dict[int, float], decode, token: int, top: int, rank: int | None = None) -> dict[int, Logprob]:
+    """An engine logprobs entry ({token id: logprob}: `token`'s own, then the `top` most likely) as
+    vLLM's {token id: Logprob}. A rank counts the entry's larger values: exact for the top tokens,
+    which all larger ones are among; `token`'s is `rank` where known (a prompt token's), else
+    None when it is not one of the top (the entry then holds one key more than `top`)."""
+    out = {}
+    for tid, lp in entry.items():
+        r = 1 + sum(1 for other in entry.values() if other > lp)
+        if tid == token:
+            r = rank if rank is not None else (r if len(entry) <= top else None)
+        out[tid] = Logprob(lp, r, decode(tid))
+    return out
+
+
 @dataclass
 class CompletionOutput:
     index: int

@@ -7,12 +7,13 @@
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Sequence as Seq
 
 from cpuserve.config import EngineConfig
 from cpuserve.engine.llm_engine import LLMEngine
-from cpuserve.engine.outputs import EmbeddingOutput, RequestOutput
+from cpuserve.engine.outputs import EmbeddingOutput, RequestOutput, logprob_entry
 from cpuserve.core.sampling_params import SamplingParams
 from cpuserve.loading.tokenizer import apply_chat_template
 
@@ -57,7 +58,7 @@ class LLM:
                     prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
                 self.engine.add_request(rid, prompt, p, final_only=True)
                 ids.append(rid)
-            return self._run(ids, use_tqdm)
+            return self._logprob_objects(self._run(ids, use_tqdm), params)
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -77,6 +78,19 @@ class LLM:
                                                   continue_final_message, **variables),
                               add_special_tokens=False) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _logprob_objects(self, outs: list[RequestOutput], params: list[SamplingParams]) -> list[RequestOutput]:
+        """Logprobs entries as vLLM's {token id: Logprob} (floats with .logprob, .rank, .decoded_token)."""
+        decode = functools.lru_cache(maxsize=4096)(lambda t: self.engine.tokenizer.decode([t]))
+        for out, p in zip(outs, params):
+            for c in out.outputs:
+                if c.logprobs is not None:
+                    c.logprobs = [logprob_entry(e, decode, t, p.logprobs) for t, e in zip(c.token_ids, c.logprobs)]
+            if out.prompt_logprobs is not None:
+                ranks = out.prompt_logprob_ranks or [None] * len(out.prompt_logprobs)
+                out.prompt_logprobs = [None if e is None else logprob_entry(e, decode, t, p.prompt_logprobs, r)
+                                       for t, e, r in zip(out.prompt_token_ids, out.prompt_logprobs, ranks)]
+        return outs
 
     def _run(self, ids: list[str], use_tqdm: bool = False) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

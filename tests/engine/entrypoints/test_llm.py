@@ -37,3 +37,21 @@ def test_cumulative_logprob_is_the_sum_of_the_sampled_tokens_logprobs(llm_f32):
         want = sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs))
         assert math.isclose(c.cumulative_logprob, want) and c.cumulative_logprob < 0
     assert llm_f32.generate("Hi", GREEDY)[0].outputs[0].cumulative_logprob is None
+
+
+def test_logprobs_are_vllms_logprob_objects_and_still_floats(llm_f32):
+    tok = llm_f32.get_tokenizer()
+    out = llm_f32.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4, logprobs=3,
+                                                                      prompt_logprobs=2))[0]
+    c = out.outputs[0]
+    for t, entry in zip(c.token_ids, c.logprobs):
+        assert entry[t].logprob == entry[t] == max(entry.values()) and entry[t].rank == 1  # greedy: the top token
+        assert sorted(lp.rank for lp in entry.values()) == [1, 2, 3]
+        assert all(lp.decoded_token == tok.decode([tid]) for tid, lp in entry.items())
+    for t, entry, rank in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], out.prompt_logprob_ranks[1:]):
+        assert entry[t].rank == rank  # a prompt token's own rank, top N or not
+    drawn = llm_f32.generate("Once upon a time", SamplingParams(temperature=1.5, seed=11, max_tokens=40, logprobs=1))
+    entries = [(t, e) for t, e in zip(drawn[0].outputs[0].token_ids, drawn[0].outputs[0].logprobs)]
+    outside = [e[t] for t, e in entries if len(e) == 2]  # drawn outside the top 1: its rank is not shown
+    assert outside and all(lp.rank is None for lp in outside)
+    assert all(e[t].rank == 1 for t, e in entries if len(e) == 1)

@@ -142,6 +142,7 @@ def test_api_key_overload_and_body_limit():
                         headers={"Authorization": "Bearer sekret"})
         assert ok.status_code == 200
         assert httpx.get(s.url + "/health").status_code == 200  # not behind the key
+        assert httpx.get(s.url + "/ping").status_code == httpx.post(s.url + "/ping").status_code == 200
 
         async def flood():
             async with httpx.AsyncClient(timeout=120, headers={"Authorization": "Bearer sekret"}) as c:

@@ -1,4 +1,5 @@
-"""GET /health, /version, /topology and /metrics: what probes, the node agent and monitoring read."""
+"""GET /health (and /ping), /version, /topology and /metrics: what probes, the node agent and
+monitoring read."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -17,6 +18,12 @@ async def health(request: Request):
     if engine.dead:
         return error_response(503, f"engine core is down: {engine.dead_reason}", "service_unavailable")
     return Response(status_code=200)
+
+
+@router.api_route("/ping", methods=["GET", "POST"])
+async def ping(request: Request):
+    """/health under the name SageMaker's and vLLM's servers answer it by (GET or POST)."""
+    return await health(request)
 
 
 @router.get("/topology")

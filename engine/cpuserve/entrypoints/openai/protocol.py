@@ -236,6 +236,17 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    echo: bool = False  # vLLM's: the last message's content before the answer, where it is the answer's role
+
+    @property
+    def echoed(self) -> str:
+        """What echo puts before the answer (vLLM's rule): the last message's text where its role is the
+        answer's: an assistant turn being continued, or any last turn without a generation prompt."""
+        if not self.echo:
+            return ""
+        last = self.messages[-1]
+        role = "assistant" if self.add_generation_prompt else last.role
+        return (last.as_template_dict()["content"] or "") if last.role == role else ""
 
 
 class InputText(BaseModel):

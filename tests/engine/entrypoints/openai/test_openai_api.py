@@ -54,6 +54,23 @@ def test_chat_stream_and_not(client, llm_f32):
     assert chunks[-1].choices[0].finish_reason == want.finish_reason
 
 
+def test_chat_echo_puts_the_continued_message_before_the_answer(client):
+    """vLLM's chat echo: the last message's text first where it has the answer's role (an assistant
+    turn continued); after a user turn and a generation prompt, nothing."""
+    convo = CHAT + [{"role": "assistant", "content": "Apples,"}]
+    kw = dict(model="smollm2", messages=convo, max_tokens=8, temperature=0,
+              extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    kw["extra_body"] = {**kw["extra_body"], "echo": True}
+    echoed = client.chat.completions.create(**kw).choices[0].message.content
+    assert echoed == "Apples," + plain
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == echoed
+    asked = dict(model="smollm2", messages=CHAT, max_tokens=6, temperature=0)
+    assert client.chat.completions.create(**asked, extra_body={"echo": True}).choices[0].message.content == \
+        client.chat.completions.create(**asked).choices[0].message.content
+
+
 def test_n_and_seed(client):
     kw = dict(model="smollm2", prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=7, n=3)
     a, b = client.completions.create(**kw), client.completions.create(**kw)

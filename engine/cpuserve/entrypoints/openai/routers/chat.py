@@ -14,7 +14,7 @@ from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import ChatCompletionRequest, now, usage
 from cpuserve.entrypoints.openai.serving import (ServerState, TokenText, constraint, generate, prompt_logprobs_json,
                                                   rendered, sampling_params, server_state, truncated)
-from cpuserve.entrypoints.openai.streaming import DeltaTracker, StreamUsage, sse
+from cpuserve.entrypoints.openai.streaming import DeltaTracker, sse
 
 router = APIRouter()
 
@@ -36,8 +36,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         raise APIError(400, "response_format and guided_* cannot be combined with tool_choice 'required' or a "
                        "named function (the tool call's schema is the constraint)", param="tool_choice")
     params = sampling_params(req.sampling_params, max_tokens, top if req.logprobs else None, spec or enforced)
-    view = ChatView(st, params, top, len(ids), req.stream_usage, mode, req.prompt_logprobs,
-                    req.return_tokens_as_token_ids)
+    view = ChatView(st, req, params, top, len(ids), mode)
     return await generate(request, [(None, ids, params)], view.stream, view.final, req.stream)
 
 
@@ -61,15 +60,14 @@ def render_conversation(req: ChatCompletionRequest, tok) -> list[int]:
 class ChatView:
     """Renders engine outputs as chat.completion objects, whole or as chunks."""
 
-    def __init__(self, st: ServerState, params: SamplingParams, top: int, prompt_tokens: int,
-                 stream_usage: StreamUsage = StreamUsage(), mode: str = "none", prompt_top: int | None = None,
-                 tokens_as_ids: bool = False):
-        self.st, self.params, self.top = st, params, top
-        self.prompt_tokens, self.stream_usage = prompt_tokens, stream_usage
-        self.token_text = TokenText(st.tokenizer, tokens_as_ids)
+    def __init__(self, st: ServerState, req: ChatCompletionRequest, params: SamplingParams, top: int,
+                 prompt_tokens: int, mode: str = "none"):
+        self.st, self.params, self.top, self.prompt_tokens, self.mode = st, params, top, prompt_tokens, mode
+        self.stream_usage = req.stream_usage
+        self.token_text = TokenText(st.tokenizer, req.return_tokens_as_token_ids)
+        self.prompt_top = req.prompt_logprobs  # the answer carries the prompt's
+        self.echo = req.echoed
         self.created = now()
-        self.mode = mode
-        self.prompt_top = prompt_top  # the request's prompt_logprobs: the answer carries the prompt's
 
     def tool_stream(self) -> tl.ToolStream:
         parser = tl.make_parser(self.st.tool_call_parser) if self.mode == "auto" else None
@@ -87,7 +85,7 @@ class ChatView:
             content, _ = ts.push(c.text, done=True)
         except ValueError:  # an enforced call cut short by max_tokens: the text as it is
             return {"role": "assistant", "content": c.text}, c.finish_reason
-        msg = {"role": "assistant", "content": content if not ts.calls else (content or None)}
+        msg = {"role": "assistant", "content": self.echo + content if not ts.calls else (content or None)}
         if ts.calls:
             msg["tool_calls"] = [call.as_dict() for call in ts.calls]
         return msg, self.finish_reason(ts, c.finish_reason)
@@ -135,6 +133,9 @@ class ChatView:
                         tools[k] = self.tool_stream()
                         yield sse({**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
                                                         "logprobs": None, "finish_reason": None}], **so_far()})
+                        if self.echo:
+                            yield sse({**head, "choices": [{"index": k, "delta": {"content": self.echo},
+                                                            "logprobs": None, "finish_reason": None}], **so_far()})
                     step = deltas.advance(k, c)
                     if step is None:
                         continue

@@ -108,6 +108,19 @@ def serve_arguments_problem(a: argparse.Namespace) -> str | None:
     return None
 
 
+def _json_list(value: str) -> list[str]:
+    """A JSON list of strings (vLLM's form for its CORS options: '["http://a.example"]')."""
+    import json
+
+    try:
+        items = json.loads(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a JSON list: {value!r}") from None
+    if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {value!r}")
+    return items
+
+
 def chat_template_text(value: str) -> str:
     """--chat-template's template: the file it names, else the value itself where it is a Jinja
     template; ValueError otherwise (a mistyped path must not become the template)."""
@@ -123,7 +136,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     import os
 
     from cpuserve.config import EngineConfig
-    from cpuserve.entrypoints.serve import ServeOptions, run
+    from cpuserve.entrypoints.serve import Cors, ServeOptions, run
 
     kwargs = engine_kwargs(a)
     if kwargs["max_num_batched_tokens"] is None and a.enable_chunked_prefill:
@@ -144,8 +157,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     config = EngineConfig(**kwargs, served_model_name=a.served_model_name)
     api_key = a.api_key or os.environ.get("CPUSERVE_API_KEY") or os.environ.get("VLLM_API_KEY")
     parser = a.tool_call_parser if a.enable_auto_tool_choice else None
+    cors = Cors(tuple(a.allowed_origins), tuple(a.allowed_methods), tuple(a.allowed_headers), a.allow_credentials)
     return run(config, ServeOptions(a.host, a.port, a.served_model_name, api_key, a.max_waiting_requests,
-                                    a.max_request_body_bytes, a.drain_timeout, parser, a.chat_template))
+                                    a.max_request_body_bytes, a.drain_timeout, parser, a.chat_template, cors))
 
 
 def cmd_topology(a: argparse.Namespace) -> int:
@@ -289,6 +303,11 @@ def _add_serve(sub) -> None:
     s.add_argument("--chat-template", default=None,
                    help="the chat template (a Jinja file, or the template itself) in place of the model's: "
                         "for a model without one, or to override it (vLLM's --chat-template)")
+    s.add_argument("--allowed-origins", type=_json_list, default=["*"],
+                   help='CORS: origins a browser page may call from, a JSON list (vLLM\'s; default ["*"])')
+    s.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS: methods allowed (JSON list)")
+    s.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS: request headers allowed")
+    s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
     s.add_argument("--drain-timeout", type=float, default=25.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish while new ones get 503 "
                         "(keep it below the pod's terminationGracePeriodSeconds)")

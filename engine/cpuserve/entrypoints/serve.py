@@ -12,6 +12,16 @@ from cpuserve.config import EngineConfig
 log = logging.getLogger("cpuserve.serve")
 
 
+@dataclass(frozen=True)
+class Cors:
+    """Which browser pages may call the API (vLLM's --allowed-origins, --allowed-methods,
+    --allowed-headers, --allow-credentials; its defaults: any origin, no credentials)."""
+    origins: tuple[str, ...] = ("*",)
+    methods: tuple[str, ...] = ("*",)
+    headers: tuple[str, ...] = ("*",)
+    credentials: bool = False
+
+
 @dataclass
 class ServeOptions:
     """The HTTP side of `cpuserve serve` (the engine's knobs are in EngineConfig)."""
@@ -24,6 +34,7 @@ class ServeOptions:
     drain_timeout: float = 25.0           # after SIGTERM, at most this long for in-flight requests
     tool_call_parser: str | None = None   # --enable-auto-tool-choice --tool-call-parser NAME
     chat_template: str | None = None      # --chat-template: in place of the model's
+    cors: Cors = Cors()                   # --allowed-origins and the rest: which pages may call
 
 
 def draining_server(config, st, drain_timeout: float):
@@ -76,7 +87,7 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
 
     name = opts.served_model_name or ("smollm2" if config.model in (None, "", "default") else
                                  config.model.rstrip("/").split("/")[-1])
-    app = build_app(engine, name, opts.api_key, opts.max_request_body_bytes, opts.tool_call_parser)
+    app = build_app(engine, name, opts.api_key, opts.max_request_body_bytes, opts.tool_call_parser, opts.cors)
     server = draining_server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning",
                                             access_log=False, timeout_graceful_shutdown=5),
                              app.state.server, opts.drain_timeout)

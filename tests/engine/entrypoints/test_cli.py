@@ -21,6 +21,8 @@ def served(monkeypatch):
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)"),
     (["--chat-template", "no/such/template.jinja"],
      "--chat-template 'no/such/template.jinja' is neither a file nor a Jinja template"),
+    (["--allowed-origins", "http://a.example"], "argument --allowed-origins: not a JSON list: 'http://a.example'"),
+    (["--allowed-methods", '{"GET": 1}'], "argument --allowed-methods: not a JSON list of strings"),
 ])
 def test_bad_serve_options_are_refused_before_anything_loads(served, capsys, argv, message):
     with pytest.raises(SystemExit) as refused:
@@ -39,6 +41,10 @@ def test_serve_options_reach_the_server(served):
     assert (options.port, options.drain_timeout, options.max_request_body_bytes) == (8123, 5, 4096)
     assert options.tool_call_parser == "hermes"
     assert config.max_num_batched_tokens == cli.SERVE_BATCHED_TOKENS
+    assert options.cors == serve.Cors()  # vLLM's defaults: any origin, method and header, no credentials
+    assert cli.main(["serve", "--allowed-origins", '["http://a.example", "http://b.example"]',
+                     "--allowed-headers", '["authorization"]', "--allow-credentials"]) == 0
+    assert served[-1][1].cors == serve.Cors(("http://a.example", "http://b.example"), ("*",), ("authorization",), True)
 
 
 def test_chat_template_from_a_file_or_inline(served, tmp_path):

@@ -10,6 +10,7 @@ import time
 import uuid
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException
 
 import cpuserve
@@ -18,6 +19,7 @@ from cpuserve.entrypoints.openai.errors import error_response, install_error_han
 from cpuserve.entrypoints.openai.metrics import Metrics
 from cpuserve.entrypoints.openai.routers import chat, completions, embeddings, health, models, responses, tokenize
 from cpuserve.entrypoints.openai.serving import ServerState
+from cpuserve.entrypoints.serve import Cors
 
 log = logging.getLogger("cpuserve.api")
 
@@ -28,11 +30,15 @@ SERVED_WHILE_LOADING = ("/version", "/openapi.json", "/docs", "/metrics")
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = 16 << 20, tool_call_parser: str | None = None) -> FastAPI:
+              max_body_bytes: int = 16 << 20, tool_call_parser: str | None = None, cors: Cors = Cors()) -> FastAPI:
     app = FastAPI(title="cpuserve", version=cpuserve.__version__)
     app.state.server = ServerState(engine, served_model_name, Metrics(served_model_name), api_key,
                                    tool_call_parser=tool_call_parser)
     app.add_middleware(RequestContext, st=app.state.server, max_body_bytes=max_body_bytes)
+    # outermost: a preflight is answered before the API key is asked for, and every answer (a 401
+    # and a 503 too) carries the headers that let the page read it
+    app.add_middleware(CORSMiddleware, allow_origins=list(cors.origins), allow_methods=list(cors.methods),
+                       allow_headers=list(cors.headers), allow_credentials=cors.credentials)
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

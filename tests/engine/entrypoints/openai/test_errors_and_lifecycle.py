@@ -43,6 +43,11 @@ def test_invalid_completion_requests_are_400(server, body, param):
         assert param in (err["param"] or "") or param in err["message"]
 
 
+def test_any_origin_may_call_by_default_as_in_vllm(server):
+    r = httpx.get(server.url + "/v1/models", headers={"Origin": "http://page.example"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
 def test_invalid_chat_requests_are_400(server):
     assert post(server, "/v1/chat/completions", {"messages": []}).status_code == 400
     assert post(server, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}).status_code == 400
@@ -123,7 +128,8 @@ def test_burst_of_64_streams_matches_offline(server, llm_f32):
 
 
 def test_api_key_overload_and_body_limit():
-    s = Server("--api-key", "sekret", "--max-waiting-requests", "1", "--max-request-body-bytes", "100000")
+    s = Server("--api-key", "sekret", "--max-waiting-requests", "1", "--max-request-body-bytes", "100000",
+               "--allowed-origins", '["http://ui.example"]')
     try:
         auth = {"Authorization": "Bearer sekret"}
         big = {"prompt": "word " * 30000, "max_tokens": 1}  # ~150 kB
@@ -142,6 +148,13 @@ def test_api_key_overload_and_body_limit():
                         headers={"Authorization": "Bearer sekret"})
         assert ok.status_code == 200
         assert httpx.get(s.url + "/health").status_code == 200  # not behind the key
+        preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+        ok = httpx.options(s.url + "/v1/completions", headers={"Origin": "http://ui.example", **preflight})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://ui.example"
+        bad = httpx.options(s.url + "/v1/completions", headers={"Origin": "http://other.example", **preflight})
+        assert "access-control-allow-origin" not in bad.headers  # the browser then refuses the call
+        denied = httpx.post(s.url + "/v1/completions", json={"prompt": "x"}, headers={"Origin": "http://ui.example"})
+        assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == "http://ui.example"
         assert httpx.get(s.url + "/ping").status_code == httpx.post(s.url + "/ping").status_code == 200
 
         async def flood():

@@ -20,7 +20,8 @@ async def health(request: Request):
     return Response(status_code=200)
 
 
-@router.api_route("/ping", methods=["GET", "POST"])
+@router.get("/ping", operation_id="ping")
+@router.post("/ping", operation_id="ping_post")
 async def ping(request: Request):
     """/health under the name SageMaker's and vLLM's servers answer it by (GET or POST)."""
     return await health(request)

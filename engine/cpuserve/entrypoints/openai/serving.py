@@ -108,8 +108,11 @@ class TokenText:
     def __init__(self, tokenizer, as_ids: bool = False):
         self.tokenizer, self.as_ids = tokenizer, as_ids
 
-    def __call__(self, tid: int) -> str:
-        return f"token_id:{tid}" if self.as_ids else self.text(tid)
+    def __call__(self, tid: int, text: str | None = None) -> str:
+        """The token's name; `text`: its text where the caller has decoded it already."""
+        if self.as_ids:
+            return f"token_id:{tid}"
+        return self.text(tid) if text is None else text
 
     def text(self, tid: int) -> str:
         return self.tokenizer.decode([tid])

@@ -120,12 +120,13 @@ class CompletionView:
         name = self.token_text
         toks, lps, tops, offs, off = [], [], [], [], offset0
         for tid, entry in zip(comp.token_ids[start:end], comp.logprobs[start:end]):
-            toks.append(name(tid))
+            text = name.text(tid)
+            toks.append(name(tid, text))
             lps.append(None if entry is None else entry.get(tid))  # None: the prompt's first token
             top = [] if entry is None else sorted(entry.items(), key=lambda kv: -kv[1])[: self.params.logprobs]
             tops.append(None if entry is None else {name(t): lp for t, lp in top})
             offs.append(off)
-            off += len(name.text(tid))  # offsets into the text, whatever names the tokens
+            off += len(text)  # offsets into the text, whatever names the tokens
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
     def final(self, base: str, outs: list[RequestOutput]) -> dict:
@@ -157,9 +158,9 @@ class CompletionView:
                     chunk = {"index": key, "text": delta, "logprobs": self.logprobs(c, t0, len(c.token_ids), offset),
                              "finish_reason": c.finish_reason if done else None,
                              "stop_reason": c.stop_reason if done else None}
-                    so_far = usage(sum(prompt_tokens.values()), sum(generated.values()))
-                    yield sse({**self.head(base), "choices": [chunk],
-                               **({"usage": so_far} if self.stream_usage.every_chunk else {})})
+                    so_far = {"usage": usage(sum(prompt_tokens.values()), sum(generated.values()))} \
+                        if self.stream_usage.every_chunk else {}
+                    yield sse({**self.head(base), "choices": [chunk], **so_far})
             if self.stream_usage.final:
                 yield sse({**self.head(base), "choices": [],
                            "usage": usage(sum(prompt_tokens.values()), sum(generated.values()))})

@@ -125,7 +125,7 @@ class AsyncEngine:
                         # (its error is raised by the await below; if the core fails first, by nobody)
                         tokenizer[1].add_done_callback(lambda f: f.cancelled() or f.exception())
                     if kind == cp.READY:
-                        self.info = ModelInfo(**payload[0])
+                        info = ModelInfo(**payload[0])
                         break
                     if kind == cp.FATAL:
                         raise RuntimeError(f"engine core failed to start: {payload[0]}")
@@ -137,11 +137,12 @@ class AsyncEngine:
             if message is not None:
                 message.cancel()
             raise
-        if tokenizer is not None and tokenizer[0] == self.info.model_dir:
+        if tokenizer is not None and tokenizer[0] == info.model_dir:
             self.tokenizer = await tokenizer[1]
         else:
-            self.tokenizer = load_tokenizer(self.info.model_dir)
+            self.tokenizer = load_tokenizer(info.model_dir)
         self.output = OutputProcessor(self.tokenizer)
+        self.info = info  # ready: the server answers from here on, its tokenizer there
         self._tasks = [asyncio.create_task(self._read_outputs()), asyncio.create_task(self._watch_process())]
         log.info("engine core ready (pid %d): %s, dtype %s, %d KV blocks of %d, max_model_len %d",
                  self.info.pid, self.info.model_dir, self.info.dtype, self.info.num_blocks, self.info.block_size,

@@ -50,6 +50,10 @@ class EngineConfig:
     seed: int = 0
     served_model_name: str | None = None
     runner: str = "auto"              # auto | generate | pooling (vLLM's --runner: a causal LM as an embedder)
+    # default sampling parameters (core/generation_config.py): auto (the model's
+    # generation_config.json) | vllm (none) | a directory holding one; overrides over them
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
     binding: object | None = None     # binding.BindingPlan; None = planned from the environment at startup
     # True when neither kv_cache_space nor the environment set it: under a container memory limit
     # the engine then sizes the KV cache to what the limit leaves (ModelRunner), else 4 GiB

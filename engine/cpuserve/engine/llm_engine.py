@@ -6,16 +6,21 @@ from cpuserve.engine.output_processor import OutputProcessor
 from cpuserve.engine.outputs import EmbeddingOutput, RequestOutput
 from cpuserve.engine.pooling_core import make_core
 from cpuserve.core.sampling_params import SamplingParams
+from cpuserve.core.generation_config import sampling_defaults
 from cpuserve.loading.tokenizer import load_tokenizer
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        sampling_defaults(None, config.generation_config, config.override_generation_config)  # before loading
         self.core = make_core(config)  # the generation core, or the pooling one of an embedding model
         self.task = getattr(self.core, "task", "generate")
         self.tokenizer = load_tokenizer(self.core.runner.model_dir)
         self.output = OutputProcessor(self.tokenizer)
+        # the parameters a request without its own gets (the model's generation config)
+        self.defaults = sampling_defaults(self.core.runner.model_dir if self.task == "generate" else None,
+                                          config.generation_config, config.override_generation_config)
 
     # the core's parts, for tests and tools
     runner = property(lambda self: self.core.runner)
@@ -30,7 +35,7 @@ class LLMEngine:
         """final_only: step() returns the request's output only once it finished (OutputProcessor)."""
         if self.task != "generate":
             raise ValueError(f"{self.core.runner.model_dir} is an embedding model: use LLM.embed")
-        params = params or SamplingParams()
+        params = params or self.defaults.as_sampling_params()
         text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
         self.core.add_request(request_id, ids, params)
         self.output.add_request(request_id, text, ids, params, final_only)

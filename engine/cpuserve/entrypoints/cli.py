@@ -54,6 +54,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
                    help="pooling: serve a causal LM as an embedding model (last-token pooling); "
                         "auto: encoders embed, causal LMs generate")
+    p.add_argument("--generation-config", default="auto",
+                   help="default sampling parameters: auto, the model's generation_config.json (temperature, "
+                        "top_p, top_k, min_p, repetition_penalty; max_new_tokens caps every request); vllm, none; "
+                        "or a directory holding a generation_config.json")
+    p.add_argument("--override-generation-config", type=_json_object, default=None,
+                   help='JSON object over the generation config\'s defaults, e.g. \'{"temperature": 0.5}\'')
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
@@ -63,7 +69,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 max_num_batched_tokens=a.max_num_batched_tokens,
                 max_prefill_tokens_while_decoding=a.max_prefill_tokens_while_decoding, max_model_len=a.max_model_len,
                 enable_prefix_caching=a.enable_prefix_caching, enable_chunked_prefill=a.enable_chunked_prefill,
-                seed=a.seed, tensor_parallel_size=a.tensor_parallel_size, runner=a.runner)
+                seed=a.seed, tensor_parallel_size=a.tensor_parallel_size, runner=a.runner,
+                generation_config=a.generation_config, override_generation_config=a.override_generation_config)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -105,6 +112,18 @@ def serve_arguments_problem(a: argparse.Namespace) -> str | None:
             a.chat_template = chat_template_text(a.chat_template)
         except ValueError as e:
             return str(e)
+    return generation_config_problem(a.generation_config, a.override_generation_config)
+
+
+def generation_config_problem(source: str, overrides: dict | None) -> str | None:
+    """What is wrong with --generation-config / --override-generation-config, before the model
+    loads (the model's own file is read once it is there)."""
+    from cpuserve.core.generation_config import sampling_defaults
+
+    try:
+        sampling_defaults(None, source, overrides)
+    except ValueError as e:
+        return str(e)
     return None
 
 
@@ -119,6 +138,19 @@ def _json_list(value: str) -> list[str]:
     if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
         raise argparse.ArgumentTypeError(f"not a JSON list of strings: {value!r}")
     return items
+
+
+def _json_object(value: str) -> dict:
+    """A JSON object (vLLM's form for --override-generation-config: '{"temperature": 0.5}')."""
+    import json
+
+    try:
+        obj = json.loads(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {value!r}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {value!r}")
+    return obj
 
 
 def chat_template_text(value: str) -> str:

@@ -28,6 +28,13 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat use where they are given no SamplingParams: the model's generation
+        config (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) over vLLM's
+        defaults (max_tokens 16); EngineConfig's generation_config and override_generation_config
+        choose it, as vLLM's LLM(generation_config=..., override_generation_config=...)."""
+        return self.engine.defaults.as_sampling_params()
+
     def embed(self, prompts: str | list[int] | Seq[str | list[int]]) -> list[EmbeddingOutput]:
         """One EmbeddingOutput (`.embedding`, `.num_tokens`) per prompt, from an embedding model."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -43,7 +50,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

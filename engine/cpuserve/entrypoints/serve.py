@@ -95,7 +95,9 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
     serving = asyncio.create_task(server.serve())
     try:
         await engine.start()
-    except RuntimeError as e:
+        if engine.info.task == "generate":
+            app.state.server.defaults = model_defaults(config, engine.info.model_dir)
+    except (RuntimeError, ValueError) as e:  # ValueError: the model's generation_config.json
         log.error("%s", e)
         server.should_exit = True
         await serving
@@ -109,6 +111,18 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
     finally:
         await engine.shutdown()
     return 1 if engine.dead else 0
+
+
+def model_defaults(config: EngineConfig, model_dir):
+    """The sampling defaults of the model's generation config (logged where they are not the
+    plain ones, as vLLM warns); the options were checked before the model loaded."""
+    from cpuserve.core.generation_config import sampling_defaults
+
+    defaults = sampling_defaults(model_dir, config.generation_config, config.override_generation_config)
+    if defaults.changed():
+        log.warning("default sampling parameters from the model's generation config: %s (requests' own "
+                    "fields win; --generation-config vllm ignores the model's)", defaults.changed())
+    return defaults
 
 
 def prepare_platform(config: EngineConfig) -> None:

@@ -143,6 +143,13 @@ def widen(q: QuantTensor) -> torch.Tensor:
     return out
 
 
+# llama.cpp's general.sampling.* metadata (a model's recommended sampling) -> generation_config.json's
+# names, which core/generation_config.py reads as the server's defaults
+GGUF_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                 "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+                 "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
 def _field(reader, key, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()
@@ -237,7 +244,8 @@ def tensor_index(reader, arch: str, cfg: dict) -> dict:
 
 
 def convert(path: Path, out: Path) -> None:
-    """config.json, the tokenizer files, the tensor index and cpuserve_source.json (the GGUF's path)."""
+    """config.json, the tokenizer files, the tensor index, cpuserve_source.json (the GGUF's path) and,
+    where the GGUF recommends sampling parameters (general.sampling.*), generation_config.json."""
     from cpuserve.loading.gguf_tokenizer import write_tokenizer
 
     reader, arch = open_reader(path)
@@ -245,6 +253,9 @@ def convert(path: Path, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "gguf_tensors.json").write_text(json.dumps(tensor_index(reader, arch, cfg)))
     write_tokenizer(reader, path, out)
+    sampling = {name: _field(reader, key) for key, name in GGUF_SAMPLING.items() if _field(reader, key) is not None}
+    if sampling:  # the model's recommended sampling, as llama.cpp reads it: the server's defaults
+        (out / "generation_config.json").write_text(json.dumps(sampling, indent=2))
     if arch == "bert":
         write_pooling(_field(reader, "bert.pooling_type", 1), out)
     (out / "cpuserve_source.json").write_text(json.dumps({"gguf": str(path)}))
@@ -340,7 +351,7 @@ def converted_dir(path: str | os.PathLike) -> Path:
     """The cached Hugging Face directory for a GGUF file, converting it on first use."""
     path = Path(path).resolve()
     st = path.stat()
-    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|v4".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|v5".encode()).hexdigest()[:16]
     out = cache_root() / "gguf" / f"{path.stem}-{key}"
     if (out / "config.json").exists():
         return out

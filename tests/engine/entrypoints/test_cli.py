@@ -23,6 +23,11 @@ def served(monkeypatch):
      "--chat-template 'no/such/template.jinja' is neither a file nor a Jinja template"),
     (["--allowed-origins", "http://a.example"], "argument --allowed-origins: not a JSON list: 'http://a.example'"),
     (["--allowed-methods", '{"GET": 1}'], "argument --allowed-methods: not a JSON list of strings"),
+    (["--generation-config", "no/such/dir"], "--generation-config no/such/dir: no generation_config.json there"),
+    (["--override-generation-config", "temperature=0"], "argument --override-generation-config: not a JSON object"),
+    (["--override-generation-config", '{"temperature": "hot"}'],
+     "--override-generation-config: temperature must be a number, got 'hot'"),
+    (["--override-generation-config", '{"seed": 1}'], "--override-generation-config: seed not among"),
 ])
 def test_bad_serve_options_are_refused_before_anything_loads(served, capsys, argv, message):
     with pytest.raises(SystemExit) as refused:
@@ -54,6 +59,12 @@ def test_chat_template_from_a_file_or_inline(served, tmp_path):
     assert cli.main(["serve", "--chat-template", str(f)]) == 0
     assert cli.main(["serve", "--chat-template", inline]) == 0
     assert [o.chat_template for _, o in served] == [f.read_text(), inline]
+
+
+def test_generation_config_options_reach_the_engine(served):
+    assert cli.main(["serve", "--generation-config", "vllm", "--override-generation-config", '{"top_k": 5}']) == 0
+    config = served[0][0]
+    assert (config.generation_config, config.override_generation_config) == ("vllm", {"top_k": 5})
 
 
 def test_the_tool_parser_is_off_without_auto_tool_choice(served):

@@ -1,5 +1,5 @@
 """The offline API's vLLM-shaped extras on the real model: LLM.generate's and LLM.chat's
-use_tqdm, LLM.chat's tools, CompletionOutput.cumulative_logprob."""
+use_tqdm, LLM.chat's tools, CompletionOutput.cumulative_logprob, the generation config's defaults."""
 import math
 
 from cpuserve import SamplingParams
@@ -55,3 +55,17 @@ def test_logprobs_are_vllms_logprob_objects_and_still_floats(llm_f32):
     outside = [e[t] for t, e in entries if len(e) == 2]  # drawn outside the top 1: its rank is not shown
     assert outside and all(lp.rank is None for lp in outside)
     assert all(e[t].rank == 1 for t, e in entries if len(e) == 1)
+
+
+def test_the_generation_config_gives_the_default_sampling_params(tmp_path):
+    from cpuserve import LLM
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.0, "max_new_tokens": 4}')
+    llm = LLM(dtype="float32", block_size=16, kv_cache_space=0.25, generation_config=str(tmp_path),
+              override_generation_config={"repetition_penalty": 1.1})
+    p = llm.get_default_sampling_params()
+    assert (p.temperature, p.max_tokens, p.repetition_penalty, p.top_p) == (0.0, 4, 1.1, 1.0)
+    out = llm.generate(["Once upon a time", "Once upon a time"])
+    assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
+    assert out[0].outputs[0].token_ids == out[1].outputs[0].token_ids  # greedy, from the config
+    own = llm.generate("Hi", SamplingParams(max_tokens=6, ignore_eos=True))[0].outputs[0]
+    assert len(own.token_ids) == 6  # a call's own parameters are used as given

@@ -106,3 +106,25 @@ def test_safetensors_bytes_read_by_value_on_a_big_endian_host(dtype):
     host = bytearray(b"".join(bytes(le[i:i + size][::-1]) for i in range(0, len(le), size)))
     swapped = from_le_bytes(bytearray(le), want.dtype, (3, 4), big_endian_host=True)
     assert bytes(swapped.view(torch.uint8).numpy().tobytes()) == bytes(host)
+
+
+def test_a_ggufs_recommended_sampling_becomes_its_generation_config(model_path, tmp_path, monkeypatch):
+    """llama.cpp reads general.sampling.* as a model's default sampling; the converted directory
+    carries them as the generation_config.json the server reads its defaults from."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import copy_with_new_metadata
+
+    from cpuserve.core.generation_config import sampling_defaults
+    monkeypatch.setenv("CPUSERVE_CACHE", str(tmp_path / "cache"))
+    reader = gguf.GGUFReader(str(model_path))
+    out = tmp_path / "recommended.gguf"
+    writer = gguf.GGUFWriter(str(out), arch=reader.fields["general.architecture"].contents(),
+                             endianess=reader.endianess)
+    writer.add_sampling_temp(0.6)
+    writer.add_sampling_top_k(20)
+    writer.add_sampling_top_p(0.95)
+    writer.add_sampling_penalty_last_n(64)  # llama.cpp's own, with no generation-config name
+    copy_with_new_metadata(reader, writer, {}, [])
+    d = sampling_defaults(gguf_loader.converted_dir(out))
+    assert (d.temperature, d.top_k, d.top_p, d.min_p) == (pytest.approx(0.6), 20, pytest.approx(0.95), 0.0)
+    assert not (gguf_loader.converted_dir(model_path) / "generation_config.json").exists()

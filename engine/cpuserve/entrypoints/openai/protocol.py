@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from cpuserve.core.sampling_params import SamplingParams
 from cpuserve.entrypoints.openai.streaming import StreamUsage
 from cpuserve.entrypoints.openai.tools import NamedToolChoice, ToolDef
+from cpuserve.core.generation_config import SamplingDefaults
 from cpuserve.structured.spec import GrammarSpec, SpecError, from_fields, from_response_format
 
 log = logging.getLogger("cpuserve.api")
@@ -107,9 +108,12 @@ class SamplingFields(RequestBody):
                            self.guided_choice, self.guided_grammar, self.guided_whitespace_pattern)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        structured: GrammarSpec | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
-        """The engine's parameters; prompt_logprobs: the top N an endpoint needs of the prompt besides
-        the request's own prompt_logprobs (completions' echo with logprobs), the larger taken."""
+                        structured: GrammarSpec | None = None, prompt_logprobs: int | None = None,
+                        defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+        """The engine's parameters, the fields the request leaves out from `defaults` (the model's
+        generation config) and max_tokens under its cap; prompt_logprobs: the top N an endpoint needs
+        of the prompt besides the request's own prompt_logprobs (completions' echo with logprobs),
+        the larger taken."""
         if self.prompt_logprobs is not None:
             if self.stream:  # as vLLM: they would come only with the last chunk
                 raise ValueError("prompt_logprobs is not available with stream=true")
@@ -124,13 +128,15 @@ class SamplingFields(RequestBody):
                 bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except ValueError:
                 raise ValueError("logit_bias keys must be token ids") from None
+        d = defaults
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k in (None, 0) else self.top_k,
-            min_p=self.min_p or 0.0, seed=self.seed, presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            n=self.n, temperature=d.temperature if self.temperature is None else self.temperature,
+            top_p=d.top_p if self.top_p is None else self.top_p,
+            top_k=d.top_k if self.top_k is None else (-1 if self.top_k == 0 else self.top_k),
+            min_p=d.min_p if self.min_p is None else self.min_p, seed=self.seed,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=d.repetition_penalty if self.repetition_penalty is None else self.repetition_penalty,
+            max_tokens=d.cap(max_tokens), min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias,
             allowed_token_ids=self.allowed_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
@@ -313,6 +319,16 @@ class ResponsesRequest(ChatTemplateFields):
     @property
     def format(self) -> dict:
         return (self.text or {}).get("format") or {"type": "text"}
+
+    def sampling_params(self, room: int, structured: GrammarSpec | None,
+                        defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+        """The engine's parameters: max_output_tokens (else the context's room) under the defaults'
+        cap, temperature and top_p from the defaults where the request leaves them out."""
+        d = defaults
+        return SamplingParams(temperature=d.temperature if self.temperature is None else self.temperature,
+                              top_p=d.top_p if self.top_p is None else self.top_p, top_k=d.top_k, min_p=d.min_p,
+                              repetition_penalty=d.repetition_penalty,
+                              max_tokens=d.cap(self.max_output_tokens or room), structured=structured)
 
     def constraint(self) -> GrammarSpec | None:
         """text.format as chat's response_format (its json_schema's name, schema and strict flattened)."""

@@ -17,6 +17,7 @@ from cpuserve.engine.outputs import RequestOutput
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.metrics import Metrics, RequestTimer
 from cpuserve.entrypoints.openai.streaming import first_then_rest, merge
+from cpuserve.core.generation_config import SamplingDefaults
 from cpuserve.structured import grammar
 from cpuserve.structured.spec import GrammarSpec, SpecError
 
@@ -29,6 +30,7 @@ class ServerState:
     api_key: str | None = None
     draining: bool = False  # after SIGTERM: in-flight requests finish, new ones get 503
     tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto" is served
+    defaults: SamplingDefaults = SamplingDefaults()  # the model's generation config, set at start
 
     @property
     def tokenizer(self):
@@ -51,10 +53,10 @@ def server_state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def sampling_params(make: Callable[..., SamplingParams], *args) -> SamplingParams:
+def sampling_params(make: Callable[..., SamplingParams], *args, **kwargs) -> SamplingParams:
     """A request's SamplingParams, or a 400 naming what is wrong with them."""
     try:
-        return make(*args)
+        return make(*args, **kwargs)
     except ValueError as e:
         raise APIError(400, str(e)) from None
 

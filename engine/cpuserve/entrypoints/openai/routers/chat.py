@@ -35,7 +35,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if enforced is not None and spec is not None:
         raise APIError(400, "response_format and guided_* cannot be combined with tool_choice 'required' or a "
                        "named function (the tool call's schema is the constraint)", param="tool_choice")
-    params = sampling_params(req.sampling_params, max_tokens, top if req.logprobs else None, spec or enforced)
+    params = sampling_params(req.sampling_params, max_tokens, top if req.logprobs else None, spec or enforced,
+                             defaults=st.defaults)
     view = ChatView(st, req, params, top, len(ids), mode)
     return await generate(request, [(None, ids, params)], view.stream, view.final, req.stream)
 

@@ -33,7 +33,7 @@ async def completions(req: CompletionRequest, request: Request):
     spec = await constraint(req)
     # echo with logprobs: the prompt's logprobs too; max_tokens 0 runs one token, never shown
     params = sampling_params(req.sampling_params, max(1, req.max_tokens) if req.max_tokens is not None else None,
-                             req.logprobs, spec, req.logprobs if req.echo else None)
+                             req.logprobs, spec, req.logprobs if req.echo else None, defaults=st.defaults)
     view = CompletionView(st, params, req.stream_usage, Echo(req.echo, req.max_tokens == 0), req.prompt_logprobs,
                           req.return_tokens_as_token_ids)
     return await generate(request, [(t, ids, params) for t, ids in prompts], view.stream, view.final, req.stream)

@@ -29,12 +29,9 @@ async def responses(req: ResponsesRequest, request: Request):
     if refused:
         raise APIError(400, refused[0], param=refused[1])
     ids = await asyncio.to_thread(render_input, req, st.tokenizer)  # off the event loop
-    max_tokens = req.max_output_tokens or max(1, st.engine.info.max_model_len - len(ids))
     spec = await constraint(req)
-    params = sampling_params(lambda: SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p, max_tokens=max_tokens, structured=spec))
-    view = ResponseView(st, req, len(ids))
+    params = sampling_params(req.sampling_params, max(1, st.engine.info.max_model_len - len(ids)), spec, st.defaults)
+    view = ResponseView(st, req, params, len(ids))
     return await generate(request, [(None, ids, params)], view.stream, view.final, req.stream)
 
 
@@ -48,8 +45,8 @@ def render_input(req: ResponsesRequest, tok) -> list[int]:
 class ResponseView:
     """Renders an engine request as a response object, whole or as its stream of events."""
 
-    def __init__(self, st: ServerState, req: ResponsesRequest, input_tokens: int):
-        self.st, self.req, self.input_tokens = st, req, input_tokens
+    def __init__(self, st: ServerState, req: ResponsesRequest, params: SamplingParams, input_tokens: int):
+        self.st, self.req, self.params, self.input_tokens = st, req, params, input_tokens
         self.created = now()
 
     def response(self, base: str, status: str, text: str | None = None, out: RequestOutput | None = None) -> dict:
@@ -64,9 +61,9 @@ class ResponseView:
                 "model": self.st.served_model_name,
                 "output": output,
                 "parallel_tool_calls": r.parallel_tool_calls is not False, "previous_response_id": None,
-                "reasoning": None, "store": False, "temperature": 1.0 if r.temperature is None else r.temperature,
+                "reasoning": None, "store": False, "temperature": self.params.temperature,
                 "text": {"format": r.format}, "tool_choice": "none", "tools": [],
-                "top_p": 1.0 if r.top_p is None else r.top_p, "truncation": r.truncation or "disabled",
+                "top_p": self.params.top_p, "truncation": r.truncation or "disabled",
                 "usage": None if c is None else self.usage(out), "user": r.user, "metadata": r.metadata or {}}
 
     def usage(self, out: RequestOutput) -> dict:
@@ -107,8 +104,7 @@ class ResponseView:
         if last is None:  # (the engine ended the request without an output)
             yield events.send("error", code="server_error", message="the engine returned no output", param=None)
             return
-        done = self.final(base, [last])
-        text = done["output"][0]["content"][0]["text"]
+        done, text = self.final(base, [last]), last.outputs[0].text
         yield events.send("response.output_text.done", **at, text=text, logprobs=[])
         yield events.send("response.content_part.done", **at, part={**part, "text": text})
         yield events.send("response.output_item.done", output_index=0, item=done["output"][0])

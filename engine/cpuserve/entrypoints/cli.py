@@ -112,6 +112,12 @@ def serve_arguments_problem(a: argparse.Namespace) -> str | None:
             a.chat_template = chat_template_text(a.chat_template)
         except ValueError as e:
             return str(e)
+    if not a.disable_log_stats:
+        from cpuserve.entrypoints.openai.metrics import stats_interval
+        try:
+            a.stats_interval = stats_interval()
+        except ValueError as e:
+            return str(e)
     return generation_config_problem(a.generation_config, a.override_generation_config)
 
 
@@ -191,7 +197,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     parser = a.tool_call_parser if a.enable_auto_tool_choice else None
     cors = Cors(tuple(a.allowed_origins), tuple(a.allowed_methods), tuple(a.allowed_headers), a.allow_credentials)
     return run(config, ServeOptions(a.host, a.port, a.served_model_name, api_key, a.max_waiting_requests,
-                                    a.max_request_body_bytes, a.drain_timeout, parser, a.chat_template, cors))
+                                    a.max_request_body_bytes, a.drain_timeout, parser, a.chat_template, cors,
+                                    None if a.disable_log_stats else a.stats_interval))
 
 
 def cmd_topology(a: argparse.Namespace) -> int:
@@ -340,6 +347,9 @@ def _add_serve(sub) -> None:
     s.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS: methods allowed (JSON list)")
     s.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS: request headers allowed")
     s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
+    s.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats line (prompt and generation tokens/s, running and waiting requests, KV "
+                        "cache use, prefix cache hits; every VLLM_LOG_STATS_INTERVAL seconds, default 10, while busy)")
     s.add_argument("--drain-timeout", type=float, default=25.0,
                    help="on SIGTERM, seconds in-flight requests may take to finish while new ones get 503 "
                         "(keep it below the pod's terminationGracePeriodSeconds)")

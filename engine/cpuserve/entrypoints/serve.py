@@ -35,6 +35,7 @@ class ServeOptions:
     tool_call_parser: str | None = None   # --enable-auto-tool-choice --tool-call-parser NAME
     chat_template: str | None = None      # --chat-template: in place of the model's
     cors: Cors = Cors()                   # --allowed-origins and the rest: which pages may call
+    stats_interval: float | None = 10.0   # seconds between stats lines while busy; None: --disable-log-stats
 
 
 def draining_server(config, st, drain_timeout: float):
@@ -106,9 +107,15 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
     if opts.chat_template is not None:  # before any request is served (no await since start)
         engine.tokenizer.chat_template = opts.chat_template
     log.info("serving %s on http://%s:%d/v1", name, opts.host, opts.port)
+    stats = None
+    if opts.stats_interval is not None:
+        from cpuserve.entrypoints.openai.metrics import log_stats
+        stats = asyncio.create_task(log_stats(engine, opts.stats_interval, logging.getLogger("cpuserve.stats")))
     try:
         await serving
     finally:
+        if stats is not None:
+            stats.cancel()
         await engine.shutdown()
     return 1 if engine.dead else 0
 

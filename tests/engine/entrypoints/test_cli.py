@@ -61,6 +61,17 @@ def test_chat_template_from_a_file_or_inline(served, tmp_path):
     assert [o.chat_template for _, o in served] == [f.read_text(), inline]
 
 
+def test_the_stats_line_is_every_vllm_log_stats_interval_unless_disabled(served, monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "3")
+    assert cli.main(["serve"]) == 0 and cli.main(["serve", "--disable-log-stats"]) == 0
+    assert [o.stats_interval for _, o in served] == [3.0, None]
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "soon")
+    with pytest.raises(SystemExit):
+        cli.main(["serve"])
+    assert "VLLM_LOG_STATS_INTERVAL must be a positive number of seconds, got 'soon'" in capsys.readouterr().err
+    assert cli.main(["serve", "--disable-log-stats"]) == 0  # not read where nothing is logged
+
+
 def test_generation_config_options_reach_the_engine(served):
     assert cli.main(["serve", "--generation-config", "vllm", "--override-generation-config", '{"top_k": 5}']) == 0
     config = served[0][0]

@@ -1,6 +1,10 @@
-"""Prometheus metrics under vLLM's names, so existing dashboards work unchanged."""
+"""Prometheus metrics under vLLM's names, so existing dashboards work unchanged, and the
+periodic stats line vLLM's server logs (--disable-log-stats turns it off)."""
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -128,3 +132,46 @@ def step_totals(exposition: str) -> dict[str, dict[str, float]]:
         kind = next(p.split("=", 1)[1].strip('"') for p in labels.split(",") if p.startswith("kind="))
         out.setdefault(kind, {})[names[name]] = float(value)
     return out
+
+
+def stats_line(prev, cur, seconds: float) -> str:
+    """vLLM's periodic stats line over an interval of `seconds` between two CoreStats snapshots:
+    prompt and generation tokens a second, the batch and the queue, the KV cache's use, the prefix
+    cache's hit rate over the interval's lookups."""
+    queries = cur.prefix_cache_queries - prev.prefix_cache_queries
+    hits = cur.prefix_cache_hits - prev.prefix_cache_hits
+    return (f"Avg prompt throughput: {(cur.prompt_tokens - prev.prompt_tokens) / seconds:.1f} tokens/s, "
+            f"Avg generation throughput: {(cur.generation_tokens - prev.generation_tokens) / seconds:.1f} tokens/s, "
+            f"Running: {cur.num_running} reqs, Waiting: {cur.num_waiting} reqs, "
+            f"KV cache usage: {100 * cur.kv_cache_usage:.1f}%, "
+            f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%")
+
+
+def idle(prev, cur) -> bool:
+    """Nothing ran between the snapshots and nothing is left to run."""
+    return (cur.steps == prev.steps and cur.num_running == 0 and cur.num_waiting == 0)
+
+
+def stats_interval() -> float:
+    """Seconds between stats lines: VLLM_LOG_STATS_INTERVAL, as vLLM (default 10)."""
+    raw = os.environ.get("VLLM_LOG_STATS_INTERVAL", "10")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"VLLM_LOG_STATS_INTERVAL must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+async def log_stats(engine, interval: float, log: logging.Logger, sleep=asyncio.sleep) -> None:
+    """Logs a stats line every `interval` seconds while the engine works, and the first interval
+    after it goes idle; an idle server logs nothing (as vLLM, to keep quiet logs quiet)."""
+    prev, t, was_idle = engine.stats, time.monotonic(), True
+    while True:
+        await sleep(interval)
+        cur, now = engine.stats, time.monotonic()
+        quiet = idle(prev, cur)
+        if not (quiet and was_idle):
+            log.info("%s", stats_line(prev, cur, max(now - t, 1e-6)))
+        prev, t, was_idle = cur, now, quiet

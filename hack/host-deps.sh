@@ -4,7 +4,7 @@
 #   kernels: cmake, ninja, GoogleTest, the arm64/s390x cross compilers and qemu-user
 #   images:  buildah, podman, runc, debootstrap, qemu-user, and qemu registered with
 #            binfmt_misc (with the F flag, so chroots of another architecture run)
-#   envtest: openssl (the control plane's service-account keys)
+#   envtest: openssl (the control plane's service-account keys; the server's HTTPS tests' certificates)
 #   e2e:     the node's CNI plugins, iptables, iproute2, curl, and libseccomp-dev + pkg-config
 #            (runc is built with cgo against libseccomp)
 set -euo pipefail

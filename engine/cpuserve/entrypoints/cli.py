@@ -112,6 +112,9 @@ def serve_arguments_problem(a: argparse.Namespace) -> str | None:
             a.chat_template = chat_template_text(a.chat_template)
         except ValueError as e:
             return str(e)
+    problem = tls_problem(a) or root_path_problem(a.root_path)
+    if problem:
+        return problem
     if not a.disable_log_stats:
         from cpuserve.entrypoints.openai.metrics import stats_interval
         try:
@@ -119,6 +122,28 @@ def serve_arguments_problem(a: argparse.Namespace) -> str | None:
         except ValueError as e:
             return str(e)
     return generation_config_problem(a.generation_config, a.override_generation_config)
+
+
+def tls_problem(a: argparse.Namespace) -> str | None:
+    """What is wrong with the --ssl-* options: a key without its certificate, a file that is not
+    there, client certificates asked for with no CA to check them against."""
+    if bool(a.ssl_keyfile) != bool(a.ssl_certfile):
+        return "--ssl-keyfile and --ssl-certfile go together (the server's key and its certificate)"
+    if not a.ssl_certfile and (a.ssl_ca_certs or a.ssl_cert_reqs):
+        return "--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile and --ssl-certfile (HTTPS)"
+    if a.ssl_cert_reqs and not a.ssl_ca_certs:
+        return f"--ssl-cert-reqs {a.ssl_cert_reqs} needs --ssl-ca-certs: the CA clients' certificates are checked against"
+    for flag, path in (("--ssl-keyfile", a.ssl_keyfile), ("--ssl-certfile", a.ssl_certfile),
+                       ("--ssl-ca-certs", a.ssl_ca_certs)):
+        if path and not Path(path).is_file():
+            return f"{flag} {path}: no such file"
+    return None
+
+
+def root_path_problem(root: str) -> str | None:
+    if root and (not root.startswith("/") or root.endswith("/")):
+        return f"--root-path must start with / and not end with one (e.g. /llm), got {root!r}"
+    return None
 
 
 def generation_config_problem(source: str, overrides: dict | None) -> str | None:
@@ -174,7 +199,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     import os
 
     from cpuserve.config import EngineConfig
-    from cpuserve.entrypoints.serve import Cors, ServeOptions, run
+    from cpuserve.entrypoints.serve import Cors, ServeOptions, Tls, run
 
     kwargs = engine_kwargs(a)
     if kwargs["max_num_batched_tokens"] is None and a.enable_chunked_prefill:
@@ -196,9 +221,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     api_key = a.api_key or os.environ.get("CPUSERVE_API_KEY") or os.environ.get("VLLM_API_KEY")
     parser = a.tool_call_parser if a.enable_auto_tool_choice else None
     cors = Cors(tuple(a.allowed_origins), tuple(a.allowed_methods), tuple(a.allowed_headers), a.allow_credentials)
+    tls = Tls(a.ssl_keyfile, a.ssl_certfile, a.ssl_ca_certs, a.ssl_cert_reqs) if a.ssl_certfile else None
     return run(config, ServeOptions(a.host, a.port, a.served_model_name, api_key, a.max_waiting_requests,
                                     a.max_request_body_bytes, a.drain_timeout, parser, a.chat_template, cors,
-                                    None if a.disable_log_stats else a.stats_interval))
+                                    None if a.disable_log_stats else a.stats_interval, tls, a.root_path,
+                                    not a.disable_fastapi_docs, a.uvicorn_log_level,
+                                    not a.disable_uvicorn_access_log))
 
 
 def cmd_topology(a: argparse.Namespace) -> int:
@@ -347,6 +375,20 @@ def _add_serve(sub) -> None:
     s.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS: methods allowed (JSON list)")
     s.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS: request headers allowed")
     s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
+    s.add_argument("--ssl-keyfile", default=None, help="HTTPS: the server's private key (PEM)")
+    s.add_argument("--ssl-certfile", default=None, help="HTTPS: the server's certificate chain (PEM)")
+    s.add_argument("--ssl-ca-certs", default=None, help="HTTPS: the CA certificates clients' certificates are "
+                                                         "checked against (with --ssl-cert-reqs)")
+    s.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+                   help="client certificates: 0 not asked for, 1 checked when given, 2 required (mutual TLS)")
+    s.add_argument("--root-path", default="", help="the path prefix a reverse proxy serves the API under "
+                                                   "(e.g. /llm): requests with or without it are served")
+    s.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
+    s.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own log lines (default warning: cpuserve logs its start and each request)")
+    s.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no log line per request (method, path, status, duration, request id)")
     s.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic stats line (prompt and generation tokens/s, running and waiting requests, KV "
                         "cache use, prefix cache hits; every VLLM_LOG_STATS_INTERVAL seconds, default 10, while busy)")

@@ -22,6 +22,16 @@ class Cors:
     credentials: bool = False
 
 
+@dataclass(frozen=True)
+class Tls:
+    """HTTPS (vLLM's --ssl-keyfile, --ssl-certfile), and with ca_certs and cert_reqs (ssl.CERT_OPTIONAL
+    1, CERT_REQUIRED 2) clients' certificates checked against that CA (mutual TLS)."""
+    keyfile: str
+    certfile: str
+    ca_certs: str | None = None
+    cert_reqs: int = 0  # ssl.CERT_NONE
+
+
 @dataclass
 class ServeOptions:
     """The HTTP side of `cpuserve serve` (the engine's knobs are in EngineConfig)."""
@@ -36,6 +46,25 @@ class ServeOptions:
     chat_template: str | None = None      # --chat-template: in place of the model's
     cors: Cors = Cors()                   # --allowed-origins and the rest: which pages may call
     stats_interval: float | None = 10.0   # seconds between stats lines while busy; None: --disable-log-stats
+    tls: Tls | None = None                # --ssl-*: HTTPS, and mutual TLS with a CA
+    root_path: str = ""                   # --root-path: the prefix a proxy serves the API under
+    docs: bool = True                     # /docs, /redoc, /openapi.json (--disable-fastapi-docs: none)
+    log_level: str = "warning"            # --uvicorn-log-level: uvicorn's own lines
+    access_log: bool = True               # a log line per request (--disable-uvicorn-access-log: none)
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}{self.root_path}/v1"
+
+
+def uvicorn_options(opts: ServeOptions) -> dict:
+    """uvicorn.Config's arguments for the options (its own access log stays off: RequestContext
+    logs each request, with its id)."""
+    kw = dict(host=opts.host, port=opts.port, log_level=opts.log_level, access_log=False, timeout_graceful_shutdown=5)
+    if opts.tls is not None:
+        kw.update(ssl_keyfile=opts.tls.keyfile, ssl_certfile=opts.tls.certfile, ssl_ca_certs=opts.tls.ca_certs,
+                  ssl_cert_reqs=opts.tls.cert_reqs)
+    return kw
 
 
 def draining_server(config, st, drain_timeout: float):
@@ -88,10 +117,8 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
 
     name = opts.served_model_name or ("smollm2" if config.model in (None, "", "default") else
                                  config.model.rstrip("/").split("/")[-1])
-    app = build_app(engine, name, opts.api_key, opts.max_request_body_bytes, opts.tool_call_parser, opts.cors)
-    server = draining_server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning",
-                                            access_log=False, timeout_graceful_shutdown=5),
-                             app.state.server, opts.drain_timeout)
+    app = build_app(engine, name, opts)
+    server = draining_server(uvicorn.Config(app, **uvicorn_options(opts)), app.state.server, opts.drain_timeout)
     # Listen from the start: /health and every route answer 503 until the model is loaded.
     serving = asyncio.create_task(server.serve())
     try:
@@ -106,7 +133,7 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
         return 1
     if opts.chat_template is not None:  # before any request is served (no await since start)
         engine.tokenizer.chat_template = opts.chat_template
-    log.info("serving %s on http://%s:%d/v1", name, opts.host, opts.port)
+    log.info("serving %s on %s", name, opts.url)
     stats = None
     if opts.stats_interval is not None:
         from cpuserve.entrypoints.openai.metrics import log_stats

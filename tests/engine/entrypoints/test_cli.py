@@ -23,6 +23,12 @@ def served(monkeypatch):
      "--chat-template 'no/such/template.jinja' is neither a file nor a Jinja template"),
     (["--allowed-origins", "http://a.example"], "argument --allowed-origins: not a JSON list: 'http://a.example'"),
     (["--allowed-methods", '{"GET": 1}'], "argument --allowed-methods: not a JSON list of strings"),
+    (["--ssl-keyfile", "k.pem"], "--ssl-keyfile and --ssl-certfile go together"),
+    (["--ssl-ca-certs", "ca.pem"], "--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile and --ssl-certfile"),
+    (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--ssl-cert-reqs", "2"],
+     "--ssl-cert-reqs 2 needs --ssl-ca-certs"),
+    (["--ssl-keyfile", "no/k.pem", "--ssl-certfile", "no/c.pem"], "--ssl-keyfile no/k.pem: no such file"),
+    (["--root-path", "llm/"], "--root-path must start with / and not end with one"),
     (["--generation-config", "no/such/dir"], "--generation-config no/such/dir: no generation_config.json there"),
     (["--override-generation-config", "temperature=0"], "argument --override-generation-config: not a JSON object"),
     (["--override-generation-config", '{"temperature": "hot"}'],
@@ -76,6 +82,21 @@ def test_generation_config_options_reach_the_engine(served):
     assert cli.main(["serve", "--generation-config", "vllm", "--override-generation-config", '{"top_k": 5}']) == 0
     config = served[0][0]
     assert (config.generation_config, config.override_generation_config) == ("vllm", {"top_k": 5})
+
+
+def test_http_options_reach_the_server(served, tmp_path):
+    key, cert = tmp_path / "k.pem", tmp_path / "c.pem"
+    key.write_text("key")
+    cert.write_text("cert")
+    assert cli.main(["serve", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--root-path", "/llm",
+                     "--disable-fastapi-docs", "--uvicorn-log-level", "info", "--disable-uvicorn-access-log"]) == 0
+    options = served[0][1]
+    assert options.tls == serve.Tls(str(key), str(cert)) and options.url.startswith("https://")
+    assert (options.root_path, options.docs, options.log_level, options.access_log) == ("/llm", False, "info", False)
+    assert serve.uvicorn_options(options)["ssl_certfile"] == str(cert)
+    assert cli.main(["serve"]) == 0
+    assert (served[1][1].tls, served[1][1].docs, served[1][1].access_log) == (None, True, True)
+    assert "ssl_certfile" not in serve.uvicorn_options(served[1][1])
 
 
 def test_the_tool_parser_is_off_without_auto_tool_choice(served):

@@ -19,7 +19,7 @@ from cpuserve.entrypoints.openai.errors import error_response, install_error_han
 from cpuserve.entrypoints.openai.metrics import Metrics
 from cpuserve.entrypoints.openai.routers import chat, completions, embeddings, health, models, responses, tokenize
 from cpuserve.entrypoints.openai.serving import ServerState
-from cpuserve.entrypoints.serve import Cors
+from cpuserve.entrypoints.serve import ServeOptions
 
 log = logging.getLogger("cpuserve.api")
 
@@ -29,14 +29,18 @@ ROUTERS = (models.router, completions.router, chat.router, responses.router, emb
 SERVED_WHILE_LOADING = ("/version", "/openapi.json", "/docs", "/metrics")
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = 16 << 20, tool_call_parser: str | None = None, cors: Cors = Cors()) -> FastAPI:
-    app = FastAPI(title="cpuserve", version=cpuserve.__version__)
-    app.state.server = ServerState(engine, served_model_name, Metrics(served_model_name), api_key,
-                                   tool_call_parser=tool_call_parser)
-    app.add_middleware(RequestContext, st=app.state.server, max_body_bytes=max_body_bytes)
+def build_app(engine: AsyncEngine, served_model_name: str, opts: ServeOptions = ServeOptions()) -> FastAPI:
+    docs = opts.docs
+    app = FastAPI(title="cpuserve", version=cpuserve.__version__, root_path=opts.root_path,
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
+                  openapi_url="/openapi.json" if docs else None)
+    app.state.server = ServerState(engine, served_model_name, Metrics(served_model_name), opts.api_key,
+                                   tool_call_parser=opts.tool_call_parser)
+    app.add_middleware(RequestContext, st=app.state.server, max_body_bytes=opts.max_request_body_bytes,
+                       access_log=opts.access_log)
     # outermost: a preflight is answered before the API key is asked for, and every answer (a 401
     # and a 503 too) carries the headers that let the page read it
+    cors = opts.cors
     app.add_middleware(CORSMiddleware, allow_origins=list(cors.origins), allow_methods=list(cors.methods),
                        allow_headers=list(cors.headers), allow_credentials=cors.credentials)
     install_error_handlers(app)
@@ -45,14 +49,24 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     return app
 
 
+def route_path(scope) -> str:
+    """The path the routes see: under --root-path, a proxy may pass the prefix on or strip it
+    (Starlette routes both), and the API key check and the loading gate must see what the route
+    does, or /prefix/v1/... would pass the check that /v1/... meets."""
+    root, path = scope.get("root_path", ""), scope["path"]
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):] or "/"
+    return path
+
+
 class RequestContext:
     """Request ids (X-Request-Id in and out), the API key, 503 while loading, the body
     size limit, and one log line per request. A plain ASGI middleware, not Starlette's
     BaseHTTPMiddleware: that one hides the client's disconnect from the routes, so a
     non-streaming request whose client gave up would keep generating."""
 
-    def __init__(self, app, st: ServerState, max_body_bytes: int):
-        self.app, self.st, self.max_body = app, st, max_body_bytes
+    def __init__(self, app, st: ServerState, max_body_bytes: int, access_log: bool = True):
+        self.app, self.st, self.max_body, self.access_log = app, st, max_body_bytes, access_log
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -60,7 +74,7 @@ class RequestContext:
         headers = dict(scope["headers"])
         rid = headers.get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid  # request.state.request_id
-        path, t0, status = scope["path"], time.monotonic(), [0]
+        path, t0, status = route_path(scope), time.monotonic(), [0]
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":
@@ -75,8 +89,9 @@ class RequestContext:
             else:
                 await self.app(scope, self.limited(receive), send_with_id)
         finally:  # a request that failed or was cancelled is logged too (status 0: nothing was sent)
-            log.info("request_id=%s method=%s path=%s status=%d duration_ms=%.1f", rid, scope["method"], path,
-                     status[0], (time.monotonic() - t0) * 1e3)
+            if self.access_log:
+                log.info("request_id=%s method=%s path=%s status=%d duration_ms=%.1f", rid, scope["method"],
+                         path, status[0], (time.monotonic() - t0) * 1e3)
 
     def too_large(self) -> HTTPException:
         return HTTPException(413, f"the request body exceeds {self.max_body} bytes (--max-request-body-bytes)")

@@ -17,9 +17,11 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *args: str, env: dict | None = None, new_session: bool = False):
+    def __init__(self, *args: str, env: dict | None = None, new_session: bool = False, tls=None):
+        """tls: the ssl.SSLContext a client of a server started with --ssl-* options connects with."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        self.verify = tls or True
         extra = env or {}
         env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}  # served: `auto`
         env.update(PYTHONUNBUFFERED="1", **extra)
@@ -35,7 +37,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.output()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=1, verify=self.verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -47,6 +47,8 @@ def engine_args(spec: ServerSpec) -> list[str]:
              "--tensor-parallel-size", str(spec.ranks)]
     if spec.max_model_len:
         args += ["--max-model-len", str(spec.max_model_len)]
+    if spec.root_path:  # the Ingress's prefix, which reaches the server as clients sent it
+        args += ["--root-path", spec.root_path]
     return args + list(spec.extra_args)
 
 
@@ -60,7 +62,11 @@ def engine_env(spec: ServerSpec, p: Placement) -> list[dict]:
         env["CPU_VISIBLE_MEMORY_NODES"] = ",".join(map(str, p.slot.numa))
     else:  # the kubelet's static managers give the pod its cpuset and memory nodes; bind inside them
         env["VLLM_CPU_OMP_THREADS_BIND"] = "auto"
-    return [{"name": k, "value": v} for k, v in env.items()]
+    out = [{"name": k, "value": v} for k, v in env.items()]
+    if spec.api_key_secret:  # the bearer token /v1 asks for; /health (the probes) stays open
+        name, key = spec.api_key_secret
+        out.append({"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
+    return out
 
 
 def container_security(spec: ServerSpec) -> dict:

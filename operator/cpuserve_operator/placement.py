@@ -136,18 +136,30 @@ class ServerSpec:
     model_sha256: str = ""         # http(s)://, s3://: the file's checksum, verified when fetched
     memory_gib: float | None = None  # the pod's memory as given (None: computed, see pod_memory)
     tolerations: tuple[dict, ...] = ()  # placement.tolerations: the pods', and the tainted nodes they may use
+    api_key_secret: tuple[str, str] | None = None  # service.apiKeySecret: (Secret name, key) of the API key
 
     @property
     def ranks(self) -> int:
         return self.tp if self.strategy == "TensorParallel" else 1
 
+    @property
+    def root_path(self) -> str:
+        """The prefix the Ingress routes to the server under ("" for /): the engine's --root-path,
+        since an Ingress passes the path on as the client sent it."""
+        return self.ingress.get("path", "/").rstrip("/") if self.ingress.get("enabled") else ""
+
     def hash(self) -> str:
-        """What the pods are built from (not replicas, service or ingress): a change rolls the pods."""
+        """What the pods are built from (not replicas, the Service's type, or the Ingress but for its
+        path): a change rolls the pods."""
         keys = ("model_source", "model_path", "model_sha256", "served_name", "size_gib", "dtype", "kv_cache_gib",
                 "overhead_gib", "memory_gib", "max_num_seqs", "max_model_len", "extra_args", "strategy", "tp", "reserved_cpus", "pinning", "required_isa",
                 "node_selector", "seccomp_type", "seccomp_localhost", "image", "pull_secrets", "pull_policy", "port",
                 "tolerations")
-        blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True, default=list)
+        made_of = {k: getattr(self, k) for k in keys}
+        # newer fields only where set, so that an operator upgrade leaves the hashes of servers
+        # without them, and so their pods, as they were
+        made_of.update({k: getattr(self, k) for k in ("root_path", "api_key_secret") if getattr(self, k)})
+        blob = json.dumps(made_of, sort_keys=True, default=list)
         return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
 
@@ -187,7 +199,12 @@ def parse_spec(name: str, spec: dict, default_image: str = DEFAULT_ENGINE_IMAGE)
         image=engine_image(img, default_image), pull_secrets=tuple(img.get("pullSecrets", [])),
         pull_policy=img.get("pullPolicy", "IfNotPresent"), service_type=svc.get("type", "ClusterIP"),
         port=int(svc.get("port", 8000)), ingress=ing, model_path=str(m.get("path", "")).strip("/"),
-        model_sha256=str(m.get("sha256", "")).lower(), tolerations=tuple(p.get("tolerations", [])))
+        model_sha256=str(m.get("sha256", "")).lower(), tolerations=tuple(p.get("tolerations", [])),
+        api_key_secret=_secret_ref(svc.get("apiKeySecret")))
+
+
+def _secret_ref(ref: dict | None) -> tuple[str, str] | None:
+    return None if not ref else (ref["name"], ref.get("key", "api-key"))
 
 
 # -- node topology from the API ------------------------------------------------------------------

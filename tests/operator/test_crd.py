@@ -33,6 +33,12 @@ def test_defaults_columns_and_scale(cluster):
     cluster.kubectl("delete", "cms", "crd-defaults")
 
 
+def test_the_api_key_secrets_key_defaults(cluster):
+    apply(cluster, "crd-key", "  service: {apiKeySecret: {name: llm-key}}")
+    assert cluster.get("cms", "crd-key")["spec"]["service"]["apiKeySecret"] == {"name": "llm-key", "key": "api-key"}
+    cluster.kubectl("delete", "cms", "crd-key")
+
+
 @pytest.mark.parametrize("extra,message", [
     ("  placement: {tensorParallelSize: 2}", "needs placement.strategy TensorParallel"),
     ("  placement: {strategy: TensorParallel}", "needs placement.tensorParallelSize >= 2"),
@@ -45,6 +51,8 @@ def test_defaults_columns_and_scale(cluster):
     ("  placement: {tolerations: [{key: k, operator: Exists, value: v}]}", "a toleration with operator Exists takes no value"),
     ("  placement: {tolerations: [{value: v}]}", "a toleration with an empty key needs operator Exists"),
     ("  placement: {tolerations: [{key: k, effect: Sometimes}]}", "Unsupported value: \"Sometimes\""),
+    ("  service: {apiKeySecret: {key: token}}", "spec.service.apiKeySecret.name: Required value"),
+    ("  ingress: {enabled: true, path: llm}", "spec.ingress.path"),
 ])
 def test_invalid_crs_are_refused_by_the_api_server(cluster, extra, message):
     r = apply(cluster, "crd-invalid", extra, check=False)

@@ -179,6 +179,9 @@ def test_spec_hash_tracks_what_the_pods_are_made_of():
     assert spec(replicas=7).hash() == base and spec(service__port=9000).hash() != base
     assert spec(engine__dtype="bfloat16").hash() != base
     assert spec(ingress__enabled=True).hash() == base
+    assert spec(ingress__enabled=True, ingress__path="/llm").hash() != base  # the engine's --root-path
+    assert spec(ingress__path="/llm").hash() == base  # no Ingress: no prefix
+    assert spec(service__apiKeySecret={"name": "k"}).hash() != base
 
 
 def test_node_topology_from_api_objects():
@@ -287,6 +290,28 @@ def test_service_and_ingress():
     assert ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"] == {"name": "llm",
                                                                                "port": {"number": 8000}}
     assert b.endpoint(CR, s) == "https://llm.example.com/v1"
+
+
+def test_an_ingress_prefix_is_the_engines_root_path():
+    """An Ingress passes /llm/v1/... on as the client sent it: the engine serves under the prefix
+    (and at the root, for the Service's clients), and the endpoint names it."""
+    assert "--root-path" not in b.engine_args(spec(ingress={"enabled": True, "host": "h"}))
+    s = spec(ingress={"enabled": True, "host": "llm.example.com", "path": "/llm/"})
+    args = b.engine_args(s)
+    assert args[args.index("--root-path") + 1] == "/llm"
+    assert b.build_ingress(CR, s)["spec"]["rules"][0]["http"]["paths"][0]["path"] == "/llm/"
+    assert b.endpoint(CR, s) == "http://llm.example.com/llm/v1"
+    assert "--root-path" not in b.engine_args(spec(ingress={"enabled": False, "path": "/llm"}))
+
+
+def test_the_api_key_comes_from_a_secret():
+    (pl,) = plan(spec(), [machine("a")]).placements
+    assert "VLLM_API_KEY" not in {e["name"] for e in b.build_pod(CR, spec(), pl)["spec"]["containers"][0]["env"]}
+    for ref, key in (({"name": "llm-key"}, "api-key"), ({"name": "llm-key", "key": "token"}, "token")):
+        s = spec(service__apiKeySecret=ref)
+        (pl,) = plan(s, [machine("a")]).placements
+        env = {e["name"]: e for e in b.build_pod(CR, s, pl)["spec"]["containers"][0]["env"]}
+        assert env["VLLM_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "llm-key", "key": key}}
 
 
 @pytest.mark.parametrize("source,arg", [("packaged://smollm2", None), ("file:///srv/m.gguf", "/srv/m.gguf")])

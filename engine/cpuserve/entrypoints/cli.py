@@ -222,11 +222,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     parser = a.tool_call_parser if a.enable_auto_tool_choice else None
     cors = Cors(tuple(a.allowed_origins), tuple(a.allowed_methods), tuple(a.allowed_headers), a.allow_credentials)
     tls = Tls(a.ssl_keyfile, a.ssl_certfile, a.ssl_ca_certs, a.ssl_cert_reqs) if a.ssl_certfile else None
-    return run(config, ServeOptions(a.host, a.port, a.served_model_name, api_key, a.max_waiting_requests,
-                                    a.max_request_body_bytes, a.drain_timeout, parser, a.chat_template, cors,
-                                    None if a.disable_log_stats else a.stats_interval, tls, a.root_path,
-                                    not a.disable_fastapi_docs, a.uvicorn_log_level,
-                                    not a.disable_uvicorn_access_log))
+    return run(config, ServeOptions(
+        a.host, a.port, a.served_model_name, api_key, a.max_waiting_requests, a.max_request_body_bytes,
+        a.drain_timeout, parser, a.chat_template, cors, stats_interval=None if a.disable_log_stats else a.stats_interval,
+        tls=tls, root_path=a.root_path, docs=not a.disable_fastapi_docs, log_level=a.uvicorn_log_level,
+        access_log=not a.disable_uvicorn_access_log, prompt_tokens_details=a.enable_prompt_tokens_details,
+        force_usage=a.enable_force_include_usage, tokens_as_ids=a.return_tokens_as_token_ids))
 
 
 def cmd_topology(a: argparse.Namespace) -> int:
@@ -375,6 +376,12 @@ def _add_serve(sub) -> None:
     s.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS: methods allowed (JSON list)")
     s.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS: request headers allowed")
     s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
+    s.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache held")
+    s.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every stream ends with a usage chunk, asked for or not")
+    s.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='logprobs name tokens "token_id:{id}" unless a request says otherwise')
     s.add_argument("--ssl-keyfile", default=None, help="HTTPS: the server's private key (PEM)")
     s.add_argument("--ssl-certfile", default=None, help="HTTPS: the server's certificate chain (PEM)")
     s.add_argument("--ssl-ca-certs", default=None, help="HTTPS: the CA certificates clients' certificates are "

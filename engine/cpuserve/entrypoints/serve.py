@@ -51,6 +51,9 @@ class ServeOptions:
     docs: bool = True                     # /docs, /redoc, /openapi.json (--disable-fastapi-docs: none)
     log_level: str = "warning"            # --uvicorn-log-level: uvicorn's own lines
     access_log: bool = True               # a log line per request (--disable-uvicorn-access-log: none)
+    prompt_tokens_details: bool = False   # --enable-prompt-tokens-details: usage names the cached tokens
+    force_usage: bool = False             # --enable-force-include-usage: every stream ends with its usage
+    tokens_as_ids: bool = False           # --return-tokens-as-token-ids: logprobs name tokens by id
 
     @property
     def url(self) -> str:

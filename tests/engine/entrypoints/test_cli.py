@@ -96,6 +96,11 @@ def test_http_options_reach_the_server(served, tmp_path):
     assert serve.uvicorn_options(options)["ssl_certfile"] == str(cert)
     assert cli.main(["serve"]) == 0
     assert (served[1][1].tls, served[1][1].docs, served[1][1].access_log) == (None, True, True)
+    assert cli.main(["serve", "--enable-prompt-tokens-details", "--enable-force-include-usage",
+                     "--return-tokens-as-token-ids"]) == 0
+    o = served[2][1]
+    assert (o.prompt_tokens_details, o.force_usage, o.tokens_as_ids) == (True, True, True)
+    assert not (served[1][1].prompt_tokens_details or served[1][1].force_usage or served[1][1].tokens_as_ids)
     assert "ssl_certfile" not in serve.uvicorn_options(served[1][1])
 
 

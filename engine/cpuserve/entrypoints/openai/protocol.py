@@ -90,7 +90,8 @@ class SamplingFields(RequestBody):
     stream_options: StreamOptions | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:{id}", not their text
+    # vLLM's: logprobs name tokens "token_id:{id}", not their text (None: --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
     user: str | None = None
     # structured output: OpenAI's response_format, vLLM's guided_* extras and structured_outputs
     response_format: dict | None = None
@@ -142,12 +143,12 @@ class SamplingFields(RequestBody):
             include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
             structured=structured)
 
-    @property
-    def stream_usage(self) -> StreamUsage:
+    def stream_usage(self, forced: bool = False) -> StreamUsage:
         """Where a stream reports its usage: stream_options' include_usage (a last chunk), and
-        vLLM's continuous_usage_stats (every chunk too: only with include_usage, as in vLLM)."""
+        vLLM's continuous_usage_stats (every chunk too: only with include_usage, as in vLLM);
+        forced (--enable-force-include-usage): a last chunk whatever the request says."""
         o = self.stream_options or StreamOptions()
-        return StreamUsage(o.include_usage, o.include_usage and o.continuous_usage_stats)
+        return StreamUsage(o.include_usage or forced, (o.include_usage or forced) and o.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingFields):
@@ -353,9 +354,14 @@ class DetokenizeRequest(RequestBody):
     tokens: list[int]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; cached_tokens (the prompt's tokens the prefix cache held) as its
+    prompt_tokens_details where given (--enable-prompt-tokens-details)."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def now() -> int:

@@ -31,6 +31,17 @@ class ServerState:
     draining: bool = False  # after SIGTERM: in-flight requests finish, new ones get 503
     tool_call_parser: str | None = None  # set with --enable-auto-tool-choice: tool_choice "auto" is served
     defaults: SamplingDefaults = SamplingDefaults()  # the model's generation config, set at start
+    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage names the cached tokens
+    force_usage: bool = False  # --enable-force-include-usage: every stream ends with its usage
+    tokens_as_ids: bool = False  # --return-tokens-as-token-ids: a request's return_tokens_as_token_ids default
+
+    def token_text(self, as_ids: bool | None) -> TokenText:
+        """How a request's logprobs name tokens: its return_tokens_as_token_ids, else the server's."""
+        return TokenText(self.tokenizer, self.tokens_as_ids if as_ids is None else as_ids)
+
+    def cached(self, tokens: int) -> int | None:
+        """A usage's cached prompt tokens, where the server reports them."""
+        return tokens if self.prompt_tokens_details else None
 
     @property
     def tokenizer(self):

@@ -12,7 +12,7 @@ from cpuserve.entrypoints.openai import links
 from cpuserve.entrypoints.openai import tools as tl
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import ChatCompletionRequest, now, usage
-from cpuserve.entrypoints.openai.serving import (ServerState, TokenText, constraint, generate, prompt_logprobs_json,
+from cpuserve.entrypoints.openai.serving import (ServerState, constraint, generate, prompt_logprobs_json,
                                                   rendered, sampling_params, server_state, truncated)
 from cpuserve.entrypoints.openai.streaming import DeltaTracker, sse
 
@@ -64,8 +64,8 @@ class ChatView:
     def __init__(self, st: ServerState, req: ChatCompletionRequest, params: SamplingParams, top: int,
                  prompt_tokens: int, mode: str = "none"):
         self.st, self.params, self.top, self.prompt_tokens, self.mode = st, params, top, prompt_tokens, mode
-        self.stream_usage = req.stream_usage
-        self.token_text = TokenText(st.tokenizer, req.return_tokens_as_token_ids)
+        self.stream_usage = req.stream_usage(st.force_usage)
+        self.token_text = st.token_text(req.return_tokens_as_token_ids)
         self.prompt_top = req.prompt_logprobs  # the answer carries the prompt's
         self.echo = req.echoed
         self.created = now()
@@ -116,18 +116,21 @@ class ChatView:
         extra = {} if self.prompt_top is None else \
             {"prompt_logprobs": prompt_logprobs_json(out, self.prompt_top, self.st.tokenizer)}
         return {**self.head(base, "chat.completion"), "choices": choices,
-                "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)), **extra}
+                "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
+                               self.st.cached(out.num_cached_tokens)), **extra}
 
     async def stream(self, base: str, items):
         head = self.head(base, "chat.completion.chunk")
-        deltas, tools = DeltaTracker(self.params.stop_strings), {}
+        deltas, tools, cached = DeltaTracker(self.params.stop_strings), {}, [0]
+
+        def counts() -> dict:
+            return usage(self.prompt_tokens, deltas.completion_tokens(), self.st.cached(cached[0]))
 
         def so_far() -> dict:
-            if not self.stream_usage.every_chunk:
-                return {}
-            return {"usage": usage(self.prompt_tokens, deltas.completion_tokens())}
+            return {"usage": counts()} if self.stream_usage.every_chunk else {}
         try:
             async for _, out in items:
+                cached[0] = out.num_cached_tokens
                 for c in out.outputs:
                     k = c.index
                     if k not in tools:
@@ -144,7 +147,7 @@ class ChatView:
                     yield sse({**head, "choices": [{"index": k, **self.delta(tools[k], text, done, c),
                                                     "logprobs": self.logprobs(c, t0, len(c.token_ids))}], **so_far()})
             if self.stream_usage.final:
-                yield sse({**head, "choices": [], "usage": usage(self.prompt_tokens, deltas.completion_tokens())})
+                yield sse({**head, "choices": [], "usage": counts()})
             yield sse("[DONE]")
         except APIError as e:
             yield sse(e.body())

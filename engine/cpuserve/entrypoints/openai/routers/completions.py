@@ -11,7 +11,7 @@ from cpuserve.engine.outputs import CompletionOutput, RequestOutput
 from cpuserve.entrypoints.openai import links
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import CompletionRequest, now, usage
-from cpuserve.entrypoints.openai.serving import (ServerState, TokenText, constraint, generate, prompt_logprobs_json,
+from cpuserve.entrypoints.openai.serving import (ServerState, constraint, generate, prompt_logprobs_json,
                                                   sampling_params, server_state, truncated)
 from cpuserve.entrypoints.openai.streaming import DeltaTracker, StreamUsage, sse
 
@@ -34,8 +34,8 @@ async def completions(req: CompletionRequest, request: Request):
     # echo with logprobs: the prompt's logprobs too; max_tokens 0 runs one token, never shown
     params = sampling_params(req.sampling_params, max(1, req.max_tokens) if req.max_tokens is not None else None,
                              req.logprobs, spec, req.logprobs if req.echo else None, defaults=st.defaults)
-    view = CompletionView(st, params, req.stream_usage, Echo(req.echo, req.max_tokens == 0), req.prompt_logprobs,
-                          req.return_tokens_as_token_ids)
+    view = CompletionView(st, params, req.stream_usage(st.force_usage), Echo(req.echo, req.max_tokens == 0),
+                          req.prompt_logprobs, req.return_tokens_as_token_ids)
     return await generate(request, [(t, ids, params) for t, ids in prompts], view.stream, view.final, req.stream)
 
 
@@ -104,10 +104,10 @@ class CompletionView:
     Choice index = prompt index * n + the completion's own index."""
 
     def __init__(self, st: ServerState, params: SamplingParams, stream_usage: StreamUsage = StreamUsage(),
-                 echo: Echo = Echo(), prompt_top: int | None = None, tokens_as_ids: bool = False):
+                 echo: Echo = Echo(), prompt_top: int | None = None, tokens_as_ids: bool | None = None):
         self.st, self.params, self.stream_usage, self.echo = st, params, stream_usage, echo
         self.prompt_top = prompt_top  # the request's prompt_logprobs: each choice carries its prompt's
-        self.token_text = TokenText(st.tokenizer, tokens_as_ids)
+        self.token_text = st.token_text(tokens_as_ids)
         self.created = now()
 
     def head(self, base: str) -> dict:
@@ -140,13 +140,17 @@ class CompletionView:
                 choice["prompt_logprobs"] = prompts[pi]
         return {**self.head(base), "choices": choices,
                 "usage": usage(sum(len(o.prompt_token_ids) for o in outs),
-                               sum(self.echo.generated(c) for o in outs for c in o.outputs))}
+                               sum(self.echo.generated(c) for o in outs for c in o.outputs),
+                               self.st.cached(sum(o.num_cached_tokens for o in outs)))}
 
     async def stream(self, base: str, items):
-        deltas, prompt_tokens, generated = DeltaTracker(self.params.stop_strings), {}, {}
+        deltas, prompt_tokens, generated, cached = DeltaTracker(self.params.stop_strings), {}, {}, {}
+
+        def counts() -> dict:
+            return usage(sum(prompt_tokens.values()), sum(generated.values()), self.st.cached(sum(cached.values())))
         try:
             async for pi, out in items:
-                prompt_tokens[pi] = len(out.prompt_token_ids)
+                prompt_tokens[pi], cached[pi] = len(out.prompt_token_ids), out.num_cached_tokens
                 for c in out.outputs:
                     key = pi * self.params.n + c.index
                     generated[key] = self.echo.generated(c)
@@ -158,12 +162,10 @@ class CompletionView:
                     chunk = {"index": key, "text": delta, "logprobs": self.logprobs(c, t0, len(c.token_ids), offset),
                              "finish_reason": c.finish_reason if done else None,
                              "stop_reason": c.stop_reason if done else None}
-                    so_far = {"usage": usage(sum(prompt_tokens.values()), sum(generated.values()))} \
-                        if self.stream_usage.every_chunk else {}
+                    so_far = {"usage": counts()} if self.stream_usage.every_chunk else {}
                     yield sse({**self.head(base), "choices": [chunk], **so_far})
             if self.stream_usage.final:
-                yield sse({**self.head(base), "choices": [],
-                           "usage": usage(sum(prompt_tokens.values()), sum(generated.values()))})
+                yield sse({**self.head(base), "choices": [], "usage": counts()})
             yield sse("[DONE]")
         except APIError as e:
             yield sse(e.body())

@@ -112,6 +112,10 @@ def serve_arguments_problem(a: argparse.Namespace) -> str | None:
             a.chat_template = chat_template_text(a.chat_template)
         except ValueError as e:
             return str(e)
+    if a.enable_log_outputs and not a.enable_log_requests:
+        return "--enable-log-outputs needs --enable-log-requests"
+    if a.max_log_len is not None and a.max_log_len < 0:
+        return f"--max-log-len must be >= 0, got {a.max_log_len}"
     problem = tls_problem(a) or root_path_problem(a.root_path)
     if problem:
         return problem
@@ -199,6 +203,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     import os
 
     from cpuserve.config import EngineConfig
+    from cpuserve.entrypoints.openai.serving import RequestLog
     from cpuserve.entrypoints.serve import Cors, ServeOptions, Tls, run
 
     kwargs = engine_kwargs(a)
@@ -227,7 +232,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         a.drain_timeout, parser, a.chat_template, cors, stats_interval=None if a.disable_log_stats else a.stats_interval,
         tls=tls, root_path=a.root_path, docs=not a.disable_fastapi_docs, log_level=a.uvicorn_log_level,
         access_log=not a.disable_uvicorn_access_log, prompt_tokens_details=a.enable_prompt_tokens_details,
-        force_usage=a.enable_force_include_usage, tokens_as_ids=a.return_tokens_as_token_ids))
+        force_usage=a.enable_force_include_usage, tokens_as_ids=a.return_tokens_as_token_ids,
+        log_requests=RequestLog(a.max_log_len, a.enable_log_outputs) if a.enable_log_requests else None))
 
 
 def cmd_topology(a: argparse.Namespace) -> int:
@@ -376,6 +382,12 @@ def _add_serve(sub) -> None:
     s.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS: methods allowed (JSON list)")
     s.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS: request headers allowed")
     s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
+    s.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request's prompt, token ids and sampling parameters (users' data: off by default)")
+    s.add_argument("--enable-log-outputs", action="store_true",
+                   help="with --enable-log-requests, log each answer's text, token ids and finish reason too")
+    s.add_argument("--max-log-len", type=int, default=None,
+                   help="characters of a logged prompt or answer, and token ids, at most (default: all)")
     s.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache held")
     s.add_argument("--enable-force-include-usage", action="store_true",

@@ -6,8 +6,12 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cpuserve.config import EngineConfig
+
+if TYPE_CHECKING:  # the web stack is imported once the engine core is launching (serve())
+    from cpuserve.entrypoints.openai.serving import RequestLog
 
 log = logging.getLogger("cpuserve.serve")
 
@@ -54,6 +58,7 @@ class ServeOptions:
     prompt_tokens_details: bool = False   # --enable-prompt-tokens-details: usage names the cached tokens
     force_usage: bool = False             # --enable-force-include-usage: every stream ends with its usage
     tokens_as_ids: bool = False           # --return-tokens-as-token-ids: logprobs name tokens by id
+    log_requests: RequestLog | None = None  # --enable-log-requests (off: None)
 
     @property
     def url(self) -> str:

@@ -6,6 +6,7 @@ import pytest
 
 from cpuserve.config import EngineConfig
 from cpuserve.entrypoints import cli, serve
+from cpuserve.entrypoints.openai.serving import RequestLog
 
 
 @pytest.fixture
@@ -29,6 +30,8 @@ def served(monkeypatch):
      "--ssl-cert-reqs 2 needs --ssl-ca-certs"),
     (["--ssl-keyfile", "no/k.pem", "--ssl-certfile", "no/c.pem"], "--ssl-keyfile no/k.pem: no such file"),
     (["--root-path", "llm/"], "--root-path must start with / and not end with one"),
+    (["--enable-log-outputs"], "--enable-log-outputs needs --enable-log-requests"),
+    (["--enable-log-requests", "--max-log-len", "-1"], "--max-log-len must be >= 0, got -1"),
     (["--generation-config", "no/such/dir"], "--generation-config no/such/dir: no generation_config.json there"),
     (["--override-generation-config", "temperature=0"], "argument --override-generation-config: not a JSON object"),
     (["--override-generation-config", '{"temperature": "hot"}'],
@@ -100,6 +103,9 @@ def test_http_options_reach_the_server(served, tmp_path):
                      "--return-tokens-as-token-ids"]) == 0
     o = served[2][1]
     assert (o.prompt_tokens_details, o.force_usage, o.tokens_as_ids) == (True, True, True)
+    assert served[1][1].log_requests is None  # prompts are users' data: not logged unless asked
+    assert cli.main(["serve", "--enable-log-requests", "--enable-log-outputs", "--max-log-len", "100"]) == 0
+    assert served[3][1].log_requests == RequestLog(100, True)
     assert not (served[1][1].prompt_tokens_details or served[1][1].force_usage or served[1][1].tokens_as_ids)
     assert "ssl_certfile" not in serve.uvicorn_options(served[1][1])
 

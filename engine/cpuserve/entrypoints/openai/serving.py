@@ -4,6 +4,7 @@ aborting the engine requests when the client goes away."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
@@ -11,15 +12,39 @@ from typing import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from cpuserve.core.generation_config import SamplingDefaults
 from cpuserve.core.sampling_params import SamplingParams
 from cpuserve.engine.async_engine import AsyncEngine, EngineDeadError, Overloaded, RequestRejected
 from cpuserve.engine.outputs import RequestOutput
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.metrics import Metrics, RequestTimer
 from cpuserve.entrypoints.openai.streaming import first_then_rest, merge
-from cpuserve.core.generation_config import SamplingDefaults
 from cpuserve.structured import grammar
 from cpuserve.structured.spec import GrammarSpec, SpecError
+
+log = logging.getLogger("cpuserve.requests")
+
+
+@dataclass(frozen=True)
+class RequestLog:
+    """vLLM's request logging: each engine request's prompt, token ids and parameters as it starts,
+    and (outputs) its text, token ids and finish reason as it ends, each cut to max_len characters
+    or ids. Prompts and outputs are the users' data: off by default."""
+    max_len: int | None = None
+    outputs: bool = False
+
+    def cut(self, seq):
+        return seq if self.max_len is None else seq[:self.max_len]
+
+    def started(self, rid: str, text: str, ids: list[int], params: SamplingParams) -> None:
+        log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", rid, self.cut(text), params,
+                 self.cut(ids))
+
+    def finished(self, rid: str, out: RequestOutput) -> None:
+        if self.outputs:
+            for c in out.outputs:
+                log.info("Generated response %s (choice %d): output: %r, output_token_ids: %s, finish_reason: %s",
+                         rid, c.index, self.cut(c.text), self.cut(c.token_ids), c.finish_reason)
 
 
 @dataclass
@@ -34,6 +59,7 @@ class ServerState:
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage names the cached tokens
     force_usage: bool = False  # --enable-force-include-usage: every stream ends with its usage
     tokens_as_ids: bool = False  # --return-tokens-as-token-ids: a request's return_tokens_as_token_ids default
+    log_requests: RequestLog | None = None  # --enable-log-requests / --enable-log-outputs
 
     def token_text(self, as_ids: bool | None) -> TokenText:
         """How a request's logprobs name tokens: its return_tokens_as_token_ids, else the server's."""
@@ -167,7 +193,10 @@ async def generate(request: Request, prompts: list[Prompt], stream_fn, final_fn,
             raise APIError(400, str(e), param="prompt") from None
     if st.engine.dead:
         raise APIError(503, f"engine is not available: {st.engine.dead_reason}", "service_unavailable")
-    gens = [track(st, st.engine.generate(f"{base}-{i}", text, ids, params))
+    if st.log_requests is not None:
+        for i, (text, ids, params) in enumerate(prompts):
+            st.log_requests.started(f"{base}-{i}", st.tokenizer.decode(ids) if text is None else text, ids, params)
+    gens = [track(st, st.engine.generate(f"{base}-{i}", text, ids, params), f"{base}-{i}")
             for i, (text, ids, params) in enumerate(prompts)]
     if stream:
         return StreamingResponse(stream_fn(base, await first_then_rest(gens)), media_type="text/event-stream")
@@ -195,9 +224,9 @@ async def gather_unless_disconnected(request: Request, gens: list) -> dict[int, 
     return final
 
 
-async def track(st: ServerState, gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-    """Passes outputs through, timing tokens for the metrics and turning engine
-    errors into API errors."""
+async def track(st: ServerState, gen: AsyncIterator[RequestOutput], rid: str) -> AsyncIterator[RequestOutput]:
+    """Passes outputs through, timing tokens for the metrics, logging the finished output where
+    asked (--enable-log-outputs), and turning engine errors into API errors."""
     timer = RequestTimer(st.metrics)
     seen, last = 0, None
     try:
@@ -213,6 +242,8 @@ async def track(st: ServerState, gen: AsyncIterator[RequestOutput]) -> AsyncIter
     finally:
         if last is not None and last.finished:
             timer.finish([c.finish_reason for c in last.outputs])
+            if st.log_requests is not None:
+                st.log_requests.finished(rid, last)
 
 
 def api_error(e: Exception, param: str) -> APIError:

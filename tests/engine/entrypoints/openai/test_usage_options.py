@@ -1,6 +1,7 @@
-"""vLLM's server-wide usage and logprob options on the real model: --enable-prompt-tokens-details
-(usage names the prompt tokens the prefix cache held), --enable-force-include-usage (every stream
-ends with its usage), --return-tokens-as-token-ids (a request's own field still wins)."""
+"""vLLM's server-wide usage, logprob and logging options on the real model:
+--enable-prompt-tokens-details (usage names the prompt tokens the prefix cache held),
+--enable-force-include-usage (every stream ends with its usage), --return-tokens-as-token-ids (a
+request's own field still wins), --enable-log-requests / --enable-log-outputs / --max-log-len."""
 import json
 
 import httpx
@@ -13,7 +14,8 @@ PROMPT = "Here is a list of the planets of the solar system in order from the su
 
 @pytest.fixture(scope="module")
 def s():
-    server = Server("--enable-prompt-tokens-details", "--enable-force-include-usage", "--return-tokens-as-token-ids")
+    server = Server("--enable-prompt-tokens-details", "--enable-force-include-usage", "--return-tokens-as-token-ids",
+                    "--enable-log-requests", "--enable-log-outputs", "--max-log-len", "12")
     yield server
     server.stop()
 
@@ -53,6 +55,19 @@ def test_logprobs_name_tokens_by_id_unless_the_request_says_otherwise(s):
     chat = post(s, "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
                 logprobs=True).json()["choices"][0]["logprobs"]["content"]
     assert all(t["token"].startswith("token_id:") for t in chat)
+
+
+def test_requests_and_answers_are_logged_cut_to_the_max_log_len(s):
+    r = post(s, "/v1/completions", prompt="The quick brown fox jumps over the lazy dog", max_tokens=3,
+             ignore_eos=True, temperature=0).json()
+    rid = r["id"].removeprefix("cmpl-")
+    log = s.output()
+    assert f"Received request {rid}-0: prompt: 'The quick br', params: SamplingParams(" in log
+    assert "temperature=0" in log and "prompt_token_ids: [" in log
+    answer = r["choices"][0]["text"]
+    assert f"Generated response {rid}-0 (choice 0): output: {answer[:12]!r}" in log and "finish_reason: length" in log
+    post(s, "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+    assert "prompt: '<|im_start|>" in s.output()  # chat: the rendered conversation
 
 
 def test_without_the_options_usage_is_openais_plain_one(client):

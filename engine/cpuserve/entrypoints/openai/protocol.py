@@ -347,6 +347,7 @@ class TokenizeRequest(ChatTemplateFields):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    return_token_strs: bool = False  # vLLM's: each token's own text (token_strs) beside the ids
 
 
 class DetokenizeRequest(RequestBody):

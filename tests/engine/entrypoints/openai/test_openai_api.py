@@ -1,6 +1,8 @@
 """The running server through the official openai client: completions and chat,
 streaming and not, n > 1, logprobs, stop sequences; and its utility endpoints."""
 import httpx
+import openai
+import pytest
 
 from cpuserve import SamplingParams
 
@@ -239,8 +241,13 @@ def test_stop_sequences(client):
 
 def test_models_tokenize_detokenize_version(server, client):
     assert [m.id for m in client.models.list().data] == ["smollm2"]
+    assert client.models.retrieve("smollm2").max_model_len == client.models.list().data[0].max_model_len
+    with pytest.raises(openai.NotFoundError, match="the model `other/model` does not exist"):
+        client.models.retrieve("other/model")
     t = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}).json()
-    assert t["count"] == len(t["tokens"]) > 0
+    assert t["count"] == len(t["tokens"]) > 0 and "token_strs" not in t
+    strs = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert strs["token_strs"] == ["Hello", "Ġworld"]  # the vocabulary's pieces, as transformers' tokenizer names them
     assert httpx.post(server.url + "/detokenize", json={"tokens": t["tokens"]}).json()["prompt"] == "Hello world"
     chat = httpx.post(server.url + "/tokenize", json={"messages": CHAT}).json()
     assert chat["count"] > t["count"]

@@ -1,4 +1,4 @@
-"""GET /v1/models: the one served model."""
+"""GET /v1/models and /v1/models/{id}: the one served model."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -9,10 +9,20 @@ from cpuserve.entrypoints.openai.serving import server_state
 router = APIRouter()
 
 
-@router.get("/v1/models")
-async def models(request: Request):
-    st = server_state(request)
+def model_card(st) -> dict:
     info = st.engine.info
-    return {"object": "list", "data": [{"id": st.served_model_name, "object": "model", "created": now(),
-                                        "owned_by": "cpuserve", "root": info.model_dir if info else None,
-                                        "max_model_len": info.max_model_len if info else None}]}
+    return {"id": st.served_model_name, "object": "model", "created": now(), "owned_by": "cpuserve",
+            "root": info.model_dir if info else None, "max_model_len": info.max_model_len if info else None}
+
+
+@router.get("/v1/models", operation_id="list_models")
+async def models(request: Request):
+    return {"object": "list", "data": [model_card(server_state(request))]}
+
+
+@router.get("/v1/models/{model:path}", operation_id="retrieve_model")
+async def model(model: str, request: Request):
+    """OpenAI's retrieve (client.models.retrieve): the served model, or a 404 naming what is served."""
+    st = server_state(request)
+    st.check_model(model, task=None)
+    return model_card(st)

@@ -22,7 +22,10 @@ async def tokenize(req: TokenizeRequest, request: Request):
         ids = tok.encode(rendered(req, tok), add_special_tokens=False)
     else:
         ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-    return {"tokens": ids, "count": len(ids), "max_model_len": st.engine.info.max_model_len}
+    out = {"tokens": ids, "count": len(ids), "max_model_len": st.engine.info.max_model_len}
+    if req.return_token_strs:  # the vocabulary's piece for each id (byte-level pieces as the vocabulary spells them)
+        out["token_strs"] = st.tokenizer.convert_ids_to_tokens(ids)
+    return out
 
 
 @router.post("/detokenize", operation_id="detokenize", responses=links.responses("detokenize"))

@@ -63,7 +63,7 @@ def engine_env(spec: ServerSpec, p: Placement) -> list[dict]:
     else:  # the kubelet's static managers give the pod its cpuset and memory nodes; bind inside them
         env["VLLM_CPU_OMP_THREADS_BIND"] = "auto"
     out = [{"name": k, "value": v} for k, v in env.items()]
-    if spec.api_key_secret:  # the bearer token /v1 asks for; /health (the probes) stays open
+    if spec.api_key_secret:  # the bearer token the API asks for; /health (the probes) stays open
         name, key = spec.api_key_secret
         out.append({"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
     return out

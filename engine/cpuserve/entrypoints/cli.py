@@ -384,6 +384,8 @@ def _add_serve(sub) -> None:
     s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
     s.add_argument("--enable-log-requests", action="store_true",
                    help="log each request's prompt, token ids and sampling parameters (users' data: off by default)")
+    s.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false", default=False,
+                   help="no request logging: the default (vLLM's older flag, accepted for its command lines)")
     s.add_argument("--enable-log-outputs", action="store_true",
                    help="with --enable-log-requests, log each answer's text, token ids and finish reason too")
     s.add_argument("--max-log-len", type=int, default=None,

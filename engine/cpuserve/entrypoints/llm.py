@@ -4,6 +4,7 @@
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
     outs = llm.chat([{"role": "user", "content": "Hi!"}])
     vecs = LLM("all-MiniLM-L6-v2").embed(["Hello"])   # an embedding model
+    sims = LLM("all-MiniLM-L6-v2").score("Hello", ["Hi", "Bye"])  # cosine similarities: [o.outputs.score ...]
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from cpuserve.config import EngineConfig
 from cpuserve.engine.llm_engine import LLMEngine
 from cpuserve.engine.outputs import EmbeddingOutput, RequestOutput, logprob_entry
 from cpuserve.core.sampling_params import SamplingParams
+from cpuserve.entrypoints.scoring import ScoringOutput, ScoringRequestOutput, cosine, pairs
 from cpuserve.loading.tokenizer import apply_chat_template
 
 PromptType = str | list[int] | dict
@@ -40,6 +42,17 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return self.engine.embed(list(prompts))
+
+    def score(self, text_1: str | list[str], text_2: str | list[str]) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score on an embedding model: each pair's cosine similarity (`.outputs.score`),
+        one text against each of a list or two lists item by item; each distinct text embedded once."""
+        todo = pairs(text_1, text_2)
+        tok = self.engine.tokenizer
+        ids = {t: tok.encode(t) for p in todo for t in p}
+        vecs = dict(zip(ids, self.engine.embed(list(ids.values()))))
+        return [ScoringRequestOutput(f"score-{next(self._ids)}", ScoringOutput(cosine(vecs[a].embedding,
+                                                                                    vecs[b].embedding)),
+                                     ids[a] + ids[b]) for a, b in todo]
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -106,6 +106,7 @@ def test_http_options_reach_the_server(served, tmp_path):
     assert served[1][1].log_requests is None  # prompts are users' data: not logged unless asked
     assert cli.main(["serve", "--enable-log-requests", "--enable-log-outputs", "--max-log-len", "100"]) == 0
     assert served[3][1].log_requests == RequestLog(100, True)
+    assert cli.main(["serve", "--disable-log-requests"]) == 0 and served[4][1].log_requests is None
     assert not (served[1][1].prompt_tokens_details or served[1][1].force_usage or served[1][1].tokens_as_ids)
     assert "ssl_certfile" not in serve.uvicorn_options(served[1][1])
 

@@ -74,6 +74,14 @@ def test_offline_llm_embed_equals_the_model_and_refuses_generation(minilm):
         llm.embed(["word " * 400])
     assert not llm.engine.core.has_unfinished()  # the refused batch queued nothing
     assert len(llm.embed(TEXTS[0])) == 1
+    scored = llm.score(TEXTS[0], TEXTS[:3])  # vLLM's LLM.score: cosine similarities of the embeddings
+    for o, other in zip(scored, outs):
+        assert o.outputs.score == pytest.approx(float(torch.dot(torch.tensor(outs[0].embedding),
+                                                                 torch.tensor(other.embedding))), abs=1e-5)
+    assert scored[0].outputs.score == pytest.approx(1.0, abs=1e-5)
+    assert scored[1].prompt_token_ids == tok.encode(TEXTS[0]) + tok.encode(TEXTS[1])
+    with pytest.raises(ValueError, match="text_1 has 2 texts and text_2 3"):
+        llm.score(TEXTS[:2], TEXTS[:3])
 
 
 def test_a_generative_model_has_no_embeddings(llm_f32):

@@ -17,16 +17,21 @@ import cpuserve
 from cpuserve.engine.async_engine import AsyncEngine
 from cpuserve.entrypoints.openai.errors import error_response, install_error_handlers
 from cpuserve.entrypoints.openai.metrics import Metrics
-from cpuserve.entrypoints.openai.routers import chat, completions, embeddings, health, models, responses, tokenize
+from cpuserve.entrypoints.openai.routers import (chat, completions, embeddings, health, models, responses, score,
+                                                 tokenize)
 from cpuserve.entrypoints.openai.serving import ServerState
 from cpuserve.entrypoints.serve import ServeOptions
 
 log = logging.getLogger("cpuserve.api")
 
-ROUTERS = (models.router, completions.router, chat.router, responses.router, embeddings.router, tokenize.router,
-           health.router)
+ROUTERS = (models.router, completions.router, chat.router, responses.router, embeddings.router, score.router,
+           tokenize.router, health.router)
 # Answered while the model loads (everything else gets 503 until it is ready).
 SERVED_WHILE_LOADING = ("/version", "/openapi.json", "/docs", "/metrics")
+# Answered without the API key: the probes, the scrape, the docs. vLLM asks for the key on /v1 alone,
+# which leaves /tokenize, /score, /rerank and /v2/rerank open; here every other path asks for it.
+OPEN_WITHOUT_KEY = ("/health", "/ping", "/version", "/metrics", "/topology", "/openapi.json", "/docs",
+                    "/docs/oauth2-redirect", "/redoc")
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, opts: ServeOptions = ServeOptions()) -> FastAPI:
@@ -117,7 +122,7 @@ class RequestContext:
         if content_length is not None and content_length.isdigit() and int(content_length) > self.max_body:
             e = self.too_large()
             return error_response(e.status_code, e.detail, "invalid_request_error")
-        if self.st.api_key and path.startswith("/v1") and not hmac.compare_digest(
+        if self.st.api_key and path not in OPEN_WITHOUT_KEY and not hmac.compare_digest(
                 authorization or b"", f"Bearer {self.st.api_key}".encode()):  # constant time
             return error_response(401, "invalid or missing API key", "authentication_error")
         if self.st.engine.info is None and path not in SERVED_WHILE_LOADING:

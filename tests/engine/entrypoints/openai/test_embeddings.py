@@ -1,6 +1,7 @@
 """POST /v1/embeddings on all-MiniLM-L6-v2 served by `cpuserve serve`: the reference's
 vectors through the official client, float and base64, many inputs batched as one, and
-the client's mistakes; a generative model refuses the route and vice versa."""
+the client's mistakes; /v1/score and /v1/rerank as the reference's cosine similarities; a
+generative model refuses the routes and vice versa."""
 import base64
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -77,7 +78,40 @@ def test_mistakes(embed_server, body, param):
     assert r.json()["error"]["param"] == param
 
 
+def test_score_and_rerank_are_the_embeddings_cosine_similarities(embed_server, reference):
+    query = "How is the weather?"
+    want = [float(torch.dot(reference(query), reference(t))) for t in TEXTS]
+    r = httpx.post(embed_server.url + "/v1/score", json={"text_1": query, "text_2": TEXTS}, timeout=60).json()
+    assert [d["index"] for d in r["data"]] == list(range(len(TEXTS))) and r["object"] == "list"
+    assert [d["score"] for d in r["data"]] == pytest.approx(want, abs=2e-4)
+    assert r["usage"]["prompt_tokens"] > len(TEXTS)
+    pairwise = httpx.post(embed_server.url + "/score", json={"text_1": TEXTS[:2], "text_2": TEXTS[2:4]}).json()
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx(
+        [float(torch.dot(reference(a), reference(b))) for a, b in zip(TEXTS[:2], TEXTS[2:4])], abs=2e-4)
+    best = sorted(range(len(TEXTS)), key=lambda i: -want[i])
+    rr = httpx.post(embed_server.url + "/v1/rerank", json={"query": query, "documents": TEXTS, "top_n": 3}).json()
+    assert [x["index"] for x in rr["results"]] == best[:3]
+    assert rr["results"][0] == {"index": best[0], "relevance_score": pytest.approx(want[best[0]], abs=2e-4),
+                                "document": {"text": TEXTS[best[0]]}}
+    bare = httpx.post(embed_server.url + "/v2/rerank", json={"query": query, "documents": TEXTS,
+                                                             "return_documents": False}).json()
+    assert [x["index"] for x in bare["results"]] == best and "document" not in bare["results"][0]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/score", {"text_1": TEXTS[:2], "text_2": TEXTS[:3]}, "text_2"),
+    ("/v1/score", {"text_1": [], "text_2": "x"}, "text_1"),
+    ("/v1/rerank", {"query": "x", "documents": []}, "documents"),
+    ("/v1/rerank", {"query": "x", "documents": ["word " * 300]}, "documents"),
+])
+def test_score_and_rerank_mistakes(embed_server, path, body, param):
+    r = httpx.post(embed_server.url + path, json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_routes_follow_the_model_task(embed_server, server):
+    r = httpx.post(server.url + "/v1/rerank", json={"query": "x", "documents": ["y"]})
+    assert r.status_code == 400 and "generative" in r.json()["error"]["message"]
     r = httpx.post(embed_server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 400 and "/v1/embeddings" in r.json()["error"]["message"]
     r = httpx.post(server.url + "/v1/embeddings", json={"input": "x"})

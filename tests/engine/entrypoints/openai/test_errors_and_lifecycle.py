@@ -148,6 +148,11 @@ def test_api_key_overload_and_body_limit():
                         headers={"Authorization": "Bearer sekret"})
         assert ok.status_code == 200
         assert httpx.get(s.url + "/health").status_code == 200  # not behind the key
+        assert httpx.get(s.url + "/metrics").status_code == 200
+        # every other route is (vLLM asks for it on /v1 alone)
+        assert httpx.post(s.url + "/tokenize", json={"prompt": "x"}).status_code == 401
+        assert httpx.post(s.url + "/tokenize", json={"prompt": "x"}, headers=auth).status_code == 200
+        assert httpx.post(s.url + "/v2/rerank", json={"query": "x", "documents": ["y"]}).status_code == 401
         preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
         ok = httpx.options(s.url + "/v1/completions", headers={"Origin": "http://ui.example", **preflight})
         assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://ui.example"

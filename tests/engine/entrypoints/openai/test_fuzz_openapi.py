@@ -80,15 +80,16 @@ def test_no_input_produces_a_server_error(fuzz_server):
     assert request_fields(spec, "/v1/chat/completions") >= structured | {"tools", "tool_choice",
                                                                           "parallel_tool_calls"}
     assert request_fields(spec, "/v1/embeddings") >= {"input", "encoding_format", "dimensions", "model"}
+    assert request_fields(spec, "/v1/rerank") >= {"query", "documents", "top_n"}
     fuzz(fuzz_server)
 
 
-def test_the_embedding_route_of_an_embedding_model(fuzz_server):
-    """(on the generative server above /v1/embeddings only refuses: here it embeds)"""
+def test_the_embedding_routes_of_an_embedding_model(fuzz_server):
+    """(on the generative server above /v1/embeddings, /v1/score and /v1/rerank only refuse: here they embed)"""
     from cpuserve.loading.model_loader import PACKAGED_EMBEDDER
     s = Server(PACKAGED_EMBEDDER)
     try:
-        fuzz(s, {"/v1/embeddings"})
+        fuzz(s, {"/v1/embeddings", "/v1/score", "/v1/rerank"})
     finally:
         s.stop()
 

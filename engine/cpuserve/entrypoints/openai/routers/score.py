@@ -1,0 +1,84 @@
+"""POST /v1/score and /v1/rerank (vLLM's, the rerank one in Jina's and Cohere's shape, also at
+/rerank and /v2/rerank) on an embedding model: a pair's score is the cosine similarity of its two
+texts' embeddings, as vLLM scores with a bi-encoder. Each distinct text is embedded once, as one
+engine request, batched by the core with the others."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from fastapi import APIRouter, Request
+from pydantic import Field
+
+from cpuserve.engine.async_engine import EngineDeadError, Overloaded, RequestRejected
+from cpuserve.entrypoints.openai.errors import APIError
+from cpuserve.entrypoints.openai.protocol import RequestBody, now
+from cpuserve.entrypoints.openai.routers.embeddings import MAX_INPUTS
+from cpuserve.entrypoints.openai.serving import ServerState, api_error, server_state
+from cpuserve.entrypoints.scoring import PairingError, cosine, pairs, ranked
+
+router = APIRouter()
+
+
+class ScoreRequest(RequestBody):
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+
+class RerankRequest(RequestBody):
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int = Field(0, ge=0)  # 0: every document
+    return_documents: bool = True
+
+
+async def embed_texts(st: ServerState, request: Request, texts: list[str], param: str) -> dict[str, tuple]:
+    """{text: (embedding, tokens)} for each distinct text."""
+    distinct = list(dict.fromkeys(texts))
+    if len(distinct) > MAX_INPUTS:
+        raise APIError(400, f"at most {MAX_INPUTS} distinct texts, got {len(distinct)}", param=param)
+    ids = await asyncio.to_thread(lambda: [st.tokenizer.encode(t) for t in distinct])
+    if any(not x for x in ids):
+        raise APIError(400, "a text is empty", param=param)
+    base = f"{request.state.request_id}-{uuid.uuid4().hex[:8]}"
+    try:
+        outs = await asyncio.gather(*(st.engine.embed(f"{base}-{i}", x) for i, x in enumerate(ids)))
+    except (RequestRejected, Overloaded, EngineDeadError) as e:
+        raise api_error(e, param) from None
+    return {t: (o.embedding, o.num_tokens) for t, o in zip(distinct, outs)}
+
+
+@router.post("/v1/score", operation_id="score")
+@router.post("/score", operation_id="score_root", include_in_schema=False)
+async def score(req: ScoreRequest, request: Request):
+    st = server_state(request)
+    st.check_model(req.model, task="embed")
+    try:
+        todo = pairs(req.text_1, req.text_2)
+    except PairingError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    got = await embed_texts(st, request, [t for p in todo for t in p], "text_1")
+    data = [{"index": i, "object": "score", "score": cosine(got[a][0], got[b][0])} for i, (a, b) in enumerate(todo)]
+    n = sum(got[a][1] + got[b][1] for a, b in todo)
+    return {"id": f"score-{request.state.request_id}", "object": "list", "created": now(),
+            "model": st.served_model_name, "data": data, "usage": {"prompt_tokens": n, "total_tokens": n}}
+
+
+@router.post("/v1/rerank", operation_id="rerank")
+@router.post("/rerank", operation_id="rerank_root", include_in_schema=False)
+@router.post("/v2/rerank", operation_id="rerank_v2", include_in_schema=False)
+async def rerank(req: RerankRequest, request: Request):
+    st = server_state(request)
+    st.check_model(req.model, task="embed")
+    if not req.documents:
+        raise APIError(400, "documents must not be empty", param="documents")
+    got = await embed_texts(st, request, [req.query, *req.documents], "documents")
+    scores = [cosine(got[req.query][0], got[d][0]) for d in req.documents]
+    results = [{"index": i, "relevance_score": scores[i],
+                **({"document": {"text": req.documents[i]}} if req.return_documents else {})}
+               for i in ranked(scores, req.top_n)]
+    n = got[req.query][1] * len(req.documents) + sum(got[d][1] for d in req.documents)
+    return {"id": f"rerank-{request.state.request_id}", "model": st.served_model_name, "results": results,
+            "usage": {"total_tokens": n}}

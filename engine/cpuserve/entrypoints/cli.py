@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from cpuserve.config import QUANTIZATIONS
+from cpuserve.entrypoints.openai.reasoning import PARSERS as REASONING_PARSERS
 
 SERVE_BATCHED_TOKENS = 512
 SERVE_PREFILL_WHILE_DECODING = 256
@@ -233,7 +234,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         tls=tls, root_path=a.root_path, docs=not a.disable_fastapi_docs, log_level=a.uvicorn_log_level,
         access_log=not a.disable_uvicorn_access_log, prompt_tokens_details=a.enable_prompt_tokens_details,
         force_usage=a.enable_force_include_usage, tokens_as_ids=a.return_tokens_as_token_ids,
-        log_requests=RequestLog(a.max_log_len, a.enable_log_outputs) if a.enable_log_requests else None))
+        log_requests=RequestLog(a.max_log_len, a.enable_log_outputs) if a.enable_log_requests else None,
+        reasoning_parser=a.reasoning_parser))
 
 
 def cmd_topology(a: argparse.Namespace) -> int:
@@ -374,6 +376,9 @@ def _add_serve(sub) -> None:
                    help='serve tool_choice "auto": find the calls the model writes (needs --tool-call-parser)')
     s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="the format the model writes tool calls in (Hermes/Qwen <tool_call>, Llama 3 JSON)")
+    s.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="a thinking model's <think>...</think> as the chat answer's reasoning_content, apart from "
+                        "its content (and from the tool calls the parser finds)")
     s.add_argument("--chat-template", default=None,
                    help="the chat template (a Jinja file, or the template itself) in place of the model's: "
                         "for a model without one, or to override it (vLLM's --chat-template)")

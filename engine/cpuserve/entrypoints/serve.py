@@ -59,6 +59,7 @@ class ServeOptions:
     force_usage: bool = False             # --enable-force-include-usage: every stream ends with its usage
     tokens_as_ids: bool = False           # --return-tokens-as-token-ids: logprobs name tokens by id
     log_requests: RequestLog | None = None  # --enable-log-requests (off: None)
+    reasoning_parser: str | None = None   # --reasoning-parser: deepseek_r1 | qwen3
 
     @property
     def url(self) -> str:

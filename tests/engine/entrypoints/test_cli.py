@@ -107,6 +107,7 @@ def test_http_options_reach_the_server(served, tmp_path):
     assert cli.main(["serve", "--enable-log-requests", "--enable-log-outputs", "--max-log-len", "100"]) == 0
     assert served[3][1].log_requests == RequestLog(100, True)
     assert cli.main(["serve", "--disable-log-requests"]) == 0 and served[4][1].log_requests is None
+    assert cli.main(["serve", "--reasoning-parser", "qwen3"]) == 0 and served[5][1].reasoning_parser == "qwen3"
     assert not (served[1][1].prompt_tokens_details or served[1][1].force_usage or served[1][1].tokens_as_ids)
     assert "ssl_certfile" not in serve.uvicorn_options(served[1][1])
 

@@ -60,6 +60,7 @@ class ServerState:
     force_usage: bool = False  # --enable-force-include-usage: every stream ends with its usage
     tokens_as_ids: bool = False  # --return-tokens-as-token-ids: a request's return_tokens_as_token_ids default
     log_requests: RequestLog | None = None  # --enable-log-requests / --enable-log-outputs
+    reasoning_parser: str | None = None  # --reasoning-parser: chat answers' reasoning_content (reasoning.py)
 
     def token_text(self, as_ids: bool | None) -> TokenText:
         """How a request's logprobs name tokens: its return_tokens_as_token_ids, else the server's."""

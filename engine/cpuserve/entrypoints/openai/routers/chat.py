@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from cpuserve.core.sampling_params import SamplingParams
 from cpuserve.engine.outputs import RequestOutput
 from cpuserve.entrypoints.openai import links
+from cpuserve.entrypoints.openai import reasoning as rs
 from cpuserve.entrypoints.openai import tools as tl
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import ChatCompletionRequest, now, usage
@@ -81,12 +82,18 @@ class ChatView:
         return reason
 
     def message(self, c) -> tuple[dict, str | None]:
+        parser = self.st.reasoning_parser
+        reasoning, text = rs.split(parser, c.text) if parser else (None, c.text)
+        thought = {} if parser is None else {"reasoning_content": reasoning or None}
         ts = self.tool_stream()
         try:
-            content, _ = ts.push(c.text, done=True)
+            content, _ = ts.push(text, done=True)
         except ValueError:  # an enforced call cut short by max_tokens: the text as it is
-            return {"role": "assistant", "content": c.text}, c.finish_reason
-        msg = {"role": "assistant", "content": self.echo + content if not ts.calls else (content or None)}
+            return {"role": "assistant", "content": text, **thought}, c.finish_reason
+        if parser is not None and not content and not self.echo:
+            content = None  # all of it was reasoning (or tool calls)
+        msg = {"role": "assistant", "content": self.echo + content if not ts.calls and content is not None
+               else (content or None), **thought}
         if ts.calls:
             msg["tool_calls"] = [call.as_dict() for call in ts.calls]
         return msg, self.finish_reason(ts, c.finish_reason)
@@ -121,7 +128,7 @@ class ChatView:
 
     async def stream(self, base: str, items):
         head = self.head(base, "chat.completion.chunk")
-        deltas, tools, cached = DeltaTracker(self.params.stop_strings), {}, [0]
+        deltas, tools, cached, thinking = DeltaTracker(self.params.stop_strings), {}, [0], {}
 
         def counts() -> dict:
             return usage(self.prompt_tokens, deltas.completion_tokens(), self.st.cached(cached[0]))
@@ -135,6 +142,8 @@ class ChatView:
                     k = c.index
                     if k not in tools:
                         tools[k] = self.tool_stream()
+                        if self.st.reasoning_parser:
+                            thinking[k] = rs.ReasoningStream(self.st.reasoning_parser)
                         yield sse({**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
                                                         "logprobs": None, "finish_reason": None}], **so_far()})
                         if self.echo:
@@ -144,7 +153,8 @@ class ChatView:
                     if step is None:
                         continue
                     text, t0, _, done = step
-                    yield sse({**head, "choices": [{"index": k, **self.delta(tools[k], text, done, c),
+                    reasoning, text = thinking[k].push(text, done) if k in thinking else ("", text)
+                    yield sse({**head, "choices": [{"index": k, **self.delta(tools[k], text, done, c, reasoning),
                                                     "logprobs": self.logprobs(c, t0, len(c.token_ids))}], **so_far()})
             if self.stream_usage.final:
                 yield sse({**head, "choices": [], "usage": counts()})
@@ -152,12 +162,14 @@ class ChatView:
         except APIError as e:
             yield sse(e.body())
 
-    def delta(self, ts: tl.ToolStream, text: str, done: bool, c) -> dict:
+    def delta(self, ts: tl.ToolStream, text: str, done: bool, c, reasoning: str = "") -> dict:
         try:
             content, calls = ts.push(text, done)
         except ValueError:  # an enforced call cut short: what is left goes out as text
             content, calls = ts.text[ts.sent:], []
-        delta = {"content": content} if content else {}
+        delta = {"reasoning_content": reasoning} if reasoning else {}
+        if content:
+            delta["content"] = content
         if calls:
             delta["tool_calls"] = calls
         return {"delta": delta, "finish_reason": self.finish_reason(ts, c.finish_reason) if done else None}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -33,8 +34,19 @@ def available() -> bool:
     return _llg is not None
 
 
+# The free reasoning before a constraint, by reasoning parser: a lazy lexeme (the shortest text
+# that ends in </think>), then whitespace, then the constraint's own grammar (@answer).
+# deepseek_r1: the template opened <think>; qwen3: reasoning only where the answer opens with it.
+REASONING_HEADS = {
+    "deepseek_r1": "start: think gap @answer\nthink[lazy]: /(?s:.*)<\\/think>/\ngap: /[ \\t\\r\\n]*/",
+    "qwen3": "start: (think gap)? @answer\nthink[lazy]: /<think>(?s:.*)<\\/think>/\ngap: /[ \\t\\r\\n]*/",
+}
+
+
 def grammar_text(spec: GrammarSpec) -> str:
     """The llguidance grammar for a spec (a Lark grammar, or GBNF translated to Lark)."""
+    if spec.after_reasoning is not None:
+        return after_reasoning(grammar_text(replace(spec, after_reasoning=None)), spec.after_reasoning)
     if spec.kind in ("json", "json_object"):  # a schema closed as vLLM's xgrammar reads it (closed_schema)
         schema = schema_text(closed_schema(json.loads(spec.text))) if spec.kind == "json" else \
             json.dumps({"type": "object"})
@@ -42,6 +54,14 @@ def grammar_text(spec: GrammarSpec) -> str:
     if spec.kind == "regex":  # \d and \w as ASCII classes, as JSON Schema and xgrammar read them
         return _llg.grammar_from("lark", f"start: /{_llg.regex_to_lark(spec.text, 'dw')}/")
     return _llg.grammar_from(spec.kind, spec.text)  # "choice" (a JSON list), "grammar" (GBNF or Lark)
+
+
+def after_reasoning(inner: str, parser: str) -> str:
+    """A grammar (llguidance's JSON form or Lark text) preceded by the parser's free reasoning."""
+    inner = inner.strip()
+    parts = json.loads(inner)["grammars"] if inner.startswith("{") else [{"lark_grammar": inner}]
+    parts[0] = {**parts[0], "name": "answer"}
+    return json.dumps({"grammars": [{"name": "reasoning", "lark_grammar": REASONING_HEADS[parser]}, *parts]})
 
 
 def json_layout(whitespace: str | None) -> dict:

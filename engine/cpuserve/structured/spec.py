@@ -23,10 +23,13 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 class GrammarSpec:
     """One constraint. `text` is canonical: a schema as sorted JSON, choices as a JSON list.
     `whitespace` (JSON kinds only) is the regex of whitespace allowed between tokens; None
-    lays the document out on one line."""
+    lays the document out on one line. `after_reasoning`: a reasoning parser's name
+    (entrypoints/openai/reasoning.py): the constraint holds from the end of the model's
+    reasoning on, which is free (as vLLM starts structured output after it)."""
     kind: str
     text: str
     whitespace: str | None = None
+    after_reasoning: str | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:

@@ -57,6 +57,30 @@ def test_an_object_gets_no_keys_its_schema_does_not_name_unless_it_allows_them(c
     assert accepted(pair, '[1, "a"]') and not accepted(pair, '[1, "a", 2]')
 
 
+@pytest.mark.parametrize("spec, answer", [
+    (from_fields(guided_json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
+     '{"a": 5}'),
+    (from_fields(guided_regex="[A-Z][a-z]+"), "Hello"), (CHOICE, "maybe"),
+    (from_fields(guided_grammar='root ::= "hi" | "bye"'), "bye"),
+])
+def test_after_reasoning_the_constraint_holds_from_the_end_of_the_think_block(compiler, tokenizer, spec, answer):
+    """vLLM starts structured output after a thinking model's reasoning: the reasoning is free text
+    up to its first </think>, then whitespace, then the constraint."""
+    from dataclasses import replace
+
+    def accepted(parser, text):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        m = compiler.matcher(replace(spec, after_reasoning=parser))
+        return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+    thought = "<think>Is it 4? {not json} </thi ... yes.</think>\n\n"
+    assert accepted("deepseek_r1", thought + answer) and accepted("deepseek_r1", thought[7:] + answer)
+    assert not accepted("deepseek_r1", answer)  # its template opened <think>: the answer follows a </think>
+    assert not accepted("deepseek_r1", thought + answer + " and more")
+    assert accepted("qwen3", thought + answer) and accepted("qwen3", answer)  # qwen3: thinking is optional
+    assert not accepted("qwen3", thought[7:] + answer)
+    assert grammar.validate(replace(spec, after_reasoning="qwen3")) == ""
+
+
 def test_constrained_row_only_samples_allowed_tokens_and_the_grammar_wins(compiler, tokenizer):
     eos = min(compiler.tokenizer.eos_tokens)
     free = Sequence([1, 2, 3], SamplingParams(temperature=0))

@@ -1,6 +1,7 @@
 """Reasoning parsers (--reasoning-parser): a thinking model's answer split into reasoning_content
-and content, the same whole or streamed in any chunks; on the real model (its output forced into
-a think block by a regex) through the server, streamed and not."""
+and content, the same whole or streamed in any chunks; on the real model (which thinks first after
+a few answers that do) through the server, streamed and not; structured output and enforced tool
+calls holding after the reasoning (the grammar side: structured/test_grammar.py)."""
 import json
 
 import httpx
@@ -41,7 +42,12 @@ def test_streamed_in_any_chunks_the_parts_are_the_whole_answers(parser, text, cu
     assert tuple(got) == split(parser, text)
 
 
-THINK = r"<think>[a-z ]{4,40}</think>[A-Z][a-z]{2,12}\."
+# a few answers that think first: the model, which never writes a think block of its own, copies them
+SHOTS = [("What is 2+2?", "<think>two plus two is four</think>4"),
+         ("Colour of the sky?", "<think>the sky looks blue</think>Blue"),
+         ("Capital of Italy?", "<think>italy has rome as its capital</think>Rome")]
+FEW_SHOT = [m for q, a in SHOTS for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a})] + \
+    [{"role": "user", "content": "Capital of France?"}]
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +58,11 @@ def thinker():
 
 
 def test_the_server_answers_reasoning_apart_from_content(thinker):
-    body = {"messages": [{"role": "user", "content": "Think, then name a fruit."}], "guided_regex": THINK,
-            "temperature": 0, "max_tokens": 60}
+    body = {"messages": FEW_SHOT, "temperature": 0, "max_tokens": 30}
     whole = httpx.post(thinker.url + "/v1/chat/completions", json=body, timeout=60).json()
     msg = whole["choices"][0]["message"]
-    assert msg["reasoning_content"] and "<think>" not in msg["reasoning_content"]
-    assert msg["content"][0].isupper() and msg["content"].endswith(".")
+    assert msg["reasoning_content"] and "think>" not in msg["reasoning_content"] + (msg["content"] or "")
+    assert msg["content"]
     r = httpx.post(thinker.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60)
     deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.text.splitlines()
               if line.startswith("data: {")]
@@ -65,13 +70,26 @@ def test_the_server_answers_reasoning_apart_from_content(thinker):
     assert "".join(d.get("content") or "" for d in deltas) == msg["content"]
     first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
     assert all("reasoning_content" not in d for d in deltas[first_content:])  # reasoning comes first
-    plain = httpx.post(thinker.url + "/v1/chat/completions", timeout=60,
-                       json={**body, "guided_regex": "[A-Z][a-z]{2,12}"}).json()["choices"][0]["message"]
-    assert plain["reasoning_content"] and plain["content"] is None  # deepseek_r1: no </think>, all of it thought
+    cut = httpx.post(thinker.url + "/v1/chat/completions", json={**body, "max_tokens": 7}, timeout=60).json()
+    msg = cut["choices"][0]["message"]
+    assert msg["reasoning_content"] and msg["content"] is None  # cut short while thinking: all of it thought
+
+
+def test_structured_output_and_tool_calls_hold_after_the_reasoning(thinker):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    body = {"messages": FEW_SHOT, "max_tokens": 40, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}}
+    msg = httpx.post(thinker.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+    assert msg["reasoning_content"] and list(json.loads(msg["content"])) == ["city"]
+    tools = [{"type": "function", "function": {"name": "capital_of", "parameters": schema}}]
+    r = httpx.post(thinker.url + "/v1/chat/completions", timeout=60, json={
+        "messages": FEW_SHOT, "max_tokens": 60, "temperature": 0, "tools": tools, "tool_choice": "required"}).json()
+    msg = r["choices"][0]["message"]
+    call = msg["tool_calls"][0]["function"]
+    assert msg["reasoning_content"] and call["name"] == "capital_of" and list(json.loads(call["arguments"])) == ["city"]
 
 
 def test_without_a_parser_the_think_block_is_content(server):
-    body = {"messages": [{"role": "user", "content": "Think, then name a fruit."}], "guided_regex": THINK,
-            "temperature": 0, "max_tokens": 60}
+    body = {"messages": FEW_SHOT, "temperature": 0, "max_tokens": 30}
     msg = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
-    assert msg["content"].startswith("<think>") and "reasoning_content" not in msg
+    assert msg["content"].startswith("<think>") and "</think>" in msg["content"] and "reasoning_content" not in msg

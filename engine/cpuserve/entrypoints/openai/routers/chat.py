@@ -3,6 +3,7 @@ and tool calls (tools.py) found by the server's parser or enforced by the gramma
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 
@@ -36,7 +37,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if enforced is not None and spec is not None:
         raise APIError(400, "response_format and guided_* cannot be combined with tool_choice 'required' or a "
                        "named function (the tool call's schema is the constraint)", param="tool_choice")
-    params = sampling_params(req.sampling_params, max_tokens, top if req.logprobs else None, spec or enforced,
+    structured = spec or enforced
+    if structured is not None and st.reasoning_parser:  # free reasoning first, as vLLM constrains the answer
+        structured = replace(structured, after_reasoning=st.reasoning_parser)
+    params = sampling_params(req.sampling_params, max_tokens, top if req.logprobs else None, structured,
                              defaults=st.defaults)
     view = ChatView(st, req, params, top, len(ids), mode)
     return await generate(request, [(None, ids, params)], view.stream, view.final, req.stream)

@@ -107,7 +107,7 @@ def serve_arguments_problem(a: argparse.Namespace) -> str | None:
     if a.drain_timeout < 0:
         return f"--drain-timeout must be >= 0 seconds, got {a.drain_timeout}"
     if a.enable_auto_tool_choice and not a.tool_call_parser:
-        return "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)"
+        return "--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral or pythonic)"
     if a.chat_template is not None:
         try:
             a.chat_template = chat_template_text(a.chat_template)
@@ -374,8 +374,9 @@ def _add_serve(sub) -> None:
                    help="larger request bodies get 413 before they are read (default 16 MiB)")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto": find the calls the model writes (needs --tool-call-parser)')
-    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
-                   help="the format the model writes tool calls in (Hermes/Qwen <tool_call>, Llama 3 JSON)")
+    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral", "pythonic"],
+                   help="the format the model writes tool calls in (Hermes/Qwen <tool_call>, Llama 3 JSON, Mistral "
+                        "[TOOL_CALLS], Llama 3.2/4 pythonic [f(x=1)])")
     s.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="a thinking model's <think>...</think> as the chat answer's reasoning_content, apart from "
                         "its content (and from the tool calls the parser finds)")

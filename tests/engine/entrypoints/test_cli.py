@@ -19,7 +19,7 @@ def served(monkeypatch):
 @pytest.mark.parametrize("argv, message", [
     (["--max-request-body-bytes", "0"], "--max-request-body-bytes must be >= 1, got 0"),
     (["--drain-timeout", "-1"], "--drain-timeout must be >= 0 seconds, got -1"),
-    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral or pythonic)"),
     (["--chat-template", "no/such/template.jinja"],
      "--chat-template 'no/such/template.jinja' is neither a file nor a Jinja template"),
     (["--allowed-origins", "http://a.example"], "argument --allowed-origins: not a JSON list: 'http://a.example'"),

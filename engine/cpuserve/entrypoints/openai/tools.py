@@ -13,6 +13,7 @@ and streamed, holding back only what may turn out to be a call).
 """
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -23,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cpuserve.structured.spec import GrammarSpec, schema_text
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 
 
 class FunctionDef(BaseModel):
@@ -141,18 +142,22 @@ class HermesParser:
         return content or None, calls
 
     def content_end(self, text: str) -> int:
-        """How much of a growing text is surely content: up to a start tag, or to a tail
-        that may become one, less trailing whitespace (the content before a call is sent
-        without it, so it is held until the next word shows it is not the end)."""
-        end = len(text)
-        if self.START in text:
-            end = text.index(self.START)
-        else:
-            for k in range(min(len(self.START) - 1, len(text)), 0, -1):
-                if self.START.startswith(text[-k:]):
-                    end = len(text) - k
-                    break
-        return len(text[:end].rstrip())
+        return content_before(text, self.START)
+
+
+def content_before(text: str, tag: str) -> int:
+    """How much of a growing text is surely content: up to a call's start tag, or to a tail that
+    may become one, less trailing whitespace (the content before a call is sent without it, so
+    it is held until the next word shows it is not the end)."""
+    end = len(text)
+    if tag in text:
+        end = text.index(tag)
+    else:
+        for k in range(min(len(tag) - 1, len(text)), 0, -1):
+            if tag.startswith(text[-k:]):
+                end = len(text) - k
+                break
+    return len(text[:end].rstrip())
 
 
 class Llama3JsonParser:
@@ -187,8 +192,78 @@ class Llama3JsonParser:
         return len(text)
 
 
+class MistralParser:
+    """Mistral: `[TOOL_CALLS]` and a JSON list of {"name", "arguments"} (v3 tokenizers), or
+    `[TOOL_CALLS]name[ARGS]{...}` for each call (v11 tokenizers and later), after any text."""
+    TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        if self.TAG not in text:
+            return text, []
+        at = text.index(self.TAG)
+        calls: list[ToolCall] = []
+        for part in text[at + len(self.TAG):].split(self.TAG):
+            got = self._calls(part.strip())
+            if got is None:
+                return text, []  # not what the format promises: the text stays text
+            calls += got
+        return text[:at].rstrip() or None, calls
+
+    def _calls(self, part: str) -> list[ToolCall] | None:
+        dec = json.JSONDecoder()
+        try:
+            if part.startswith("["):
+                objs, end = dec.raw_decode(part)
+                calls = [_call(o) for o in objs] if isinstance(objs, list) else [None]
+            else:
+                name, sep, rest = part.partition(self.ARGS)
+                args, end = dec.raw_decode(rest.strip())
+                part = rest.strip()
+                calls = [_call({"name": name.strip(), "arguments": args})] if sep and name.strip() else [None]
+        except ValueError:
+            return None
+        return None if part[end:].strip() or None in calls else calls
+
+    def content_end(self, text: str) -> int:
+        return content_before(text, self.TAG)
+
+
+class PythonicParser:
+    """Llama 3.2 and Llama 4 pythonic calls: the whole answer a Python list of calls with keyword
+    arguments of literal values, `[get_weather(city="Oslo"), get_time()]`, optionally between
+    `<|python_start|>` and `<|python_end|>`. Anything else is content."""
+    TAGS = ("<|python_start|>", "<|python_end|>")
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        body = text.strip().removeprefix(self.TAGS[0]).removesuffix(self.TAGS[1]).strip()
+        if not (body.startswith("[") and body.endswith("]")):
+            return text, []
+        try:
+            tree = ast.parse(body, mode="eval").body
+            calls = [self._call(node) for node in tree.elts] if isinstance(tree, ast.List) and tree.elts else [None]
+        except (SyntaxError, ValueError, RecursionError):
+            return text, []
+        return (None, calls) if None not in calls else (text, [])
+
+    @staticmethod
+    def _call(node) -> ToolCall | None:
+        if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, (ast.Name, ast.Attribute)):
+            return None
+        if any(kw.arg is None for kw in node.keywords):  # **kwargs
+            return None
+        args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}  # ValueError: not a literal
+        return ToolCall(ast.unparse(node.func), json.dumps(args, ensure_ascii=False))
+
+    def content_end(self, text: str) -> int:
+        s = text.lstrip()
+        if not s or s.startswith("[") or s.startswith(self.TAGS[0]) or self.TAGS[0].startswith(s):
+            return 0  # may be a call: hold it all until the end
+        return len(text)
+
+
 def make_parser(name: str):
-    return {"hermes": HermesParser, "llama3_json": Llama3JsonParser}[name]()
+    return {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser,
+            "pythonic": PythonicParser}[name]()
 
 
 class ToolStream:

@@ -93,13 +93,56 @@ def test_llama3_json(text, content, calls):
     assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
 
 
+@pytest.mark.parametrize("text, content, calls", [
+    ("No tools needed.", "No tools needed.", []),
+    ('Sure. [TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]', "Sure.",
+     [("f", {"x": 1}), ("g", {})]),  # v3 tokenizers: a JSON list
+    ('[TOOL_CALLS]f[ARGS]{"x": 1}[TOOL_CALLS]g[ARGS]{}', None, [("f", {"x": 1}), ("g", {})]),  # v11: name[ARGS]{}
+    ("[TOOL_CALLS]not json", "[TOOL_CALLS]not json", []),
+    ('[TOOL_CALLS][{"name": "f", "arguments": {}}] and more', '[TOOL_CALLS][{"name": "f", "arguments": {}}] and more',
+     []),
+])
+def test_mistral(text, content, calls):
+    got_content, got = tl.MistralParser().extract(text)
+    assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('[get_weather(city="Oslo", days=3), get_time()]', None, [("get_weather", {"city": "Oslo", "days": 3}),
+                                                             ("get_time", {})]),
+    ('<|python_start|>[tools.lookup(q="x", exact=True, page=None)]<|python_end|>', None,
+     [("tools.lookup", {"q": "x", "exact": True, "page": None})]),  # Llama 4's tags, a dotted name
+    ("[f(1)]", "[f(1)]", []),  # positional arguments: not a call the format writes
+    ("[f(x=g())]", "[f(x=g())]", []),  # a value that is not a literal
+    ("Hello [world]", "Hello [world]", []),
+    ("[]", "[]", []),
+    ("[" * 5000, "[" * 5000, []),
+])
+def test_pythonic(text, content, calls):
+    got_content, got = tl.PythonicParser().extract(text)
+    assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
+
+
+def test_the_cli_offers_every_parser():
+    import argparse
+
+    from cpuserve.entrypoints import cli
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers()
+    cli._add_serve(sub)
+    serve = sub.choices["serve"]
+    assert tuple(next(a for a in serve._actions if a.dest == "tool_call_parser").choices) == tl.PARSERS
+
+
 TEXTS = ["Sure! <tool_call>{\"name\": \"f\", \"arguments\": {\"q\": \"<tool\"}}</tool_call>",
          "I think <tool_ it is < not a tag", '{"name": "f", "parameters": {"a": [1, 2]}}', "  plain words, then <",
-         "<|python_tag|>{\"name\": \"g\", \"arguments\": {}}"]
+         "<|python_tag|>{\"name\": \"g\", \"arguments\": {}}",
+         'Let me see [TOOL_CALLS][{"name": "f", "arguments": {"q": "[TOOL"}}]', "[TOOL_CALLS]g[ARGS]{\"a\": 1}",
+         'One [TOOL_ not a tag', '[get_weather(city="Oslo"), get_time()]', "[not, a call]"]
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.sampled_from(TEXTS), st.sampled_from(["hermes", "llama3_json"]),
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(TEXTS), st.sampled_from(list(tl.PARSERS)),
        st.lists(st.integers(0, 80), max_size=8))
 def test_streamed_parse_equals_whole_parse(text, parser, cuts):
     content, calls = tl.make_parser(parser).extract(text)

@@ -13,6 +13,8 @@ from cpuserve.engine.outputs import STEP_KINDS
 
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
             40.0, 80.0)
+# token counts: vLLM's 1-2-5 series (1, 2, 5, 10, 20, 50, ...), here up to a million tokens
+_TOKENS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5) if m * 10 ** e <= 1_000_000)
 
 
 class Metrics:
@@ -37,6 +39,21 @@ class Metrics:
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency", lbl, buckets=_LATENCY, registry=r)
         self.queue = Histogram("vllm:request_queue_time_seconds", "Time waiting before first scheduled", lbl,
                                buckets=_LATENCY, registry=r)
+        self.inference = Histogram("vllm:request_inference_time_seconds", "Time from first scheduled to finished",
+                                   lbl, buckets=_LATENCY, registry=r)
+        self.prefill = Histogram("vllm:request_prefill_time_seconds", "Time from first scheduled to the first token",
+                                 lbl, buckets=_LATENCY, registry=r)
+        self.decode = Histogram("vllm:request_decode_time_seconds", "Time from the first token to finished", lbl,
+                                buckets=_LATENCY, registry=r)
+        self.request_prompt = Histogram("vllm:request_prompt_tokens", "Prompt tokens of each finished request", lbl,
+                                        buckets=_TOKENS, registry=r)
+        self.request_generation = Histogram("vllm:request_generation_tokens", "Generated tokens of each finished "
+                                            "request (all its choices)", lbl, buckets=_TOKENS, registry=r)
+        # vLLM's older names, which its dashboards before 0.11 query: the same observations
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Time between tokens (the older name of "
+                              "vllm:inter_token_latency_seconds)", lbl, buckets=_LATENCY, registry=r)
+        self.gpu_cache = Gauge("vllm:gpu_cache_usage_perc", "KV-cache usage, 1 = full (the older name of "
+                               "vllm:kv_cache_usage_perc; the cache is in host memory)", lbl, registry=r)
         # where the engine core's time goes, by step kind (outputs.STEP_KINDS): cpuserve's own, no
         # vLLM equivalent. Deltas over a window give its steps' mean time and size by kind.
         kind = lbl + ["kind"]
@@ -56,8 +73,8 @@ class Metrics:
             for k in STEP_KINDS:  # every kind's series from the start, at zero
                 counter.labels(kind=k, **self.labels)
         # the children observed at every token, looked up once (labels() takes a lock and a dict lookup)
-        self.ttft_m, self.itl_m, self.e2e_m, self.queue_m = (h.labels(**self.labels) for h in
-                                                              (self.ttft, self.itl, self.e2e, self.queue))
+        self.ttft_m, self.itl_m, self.e2e_m, self.queue_m, self.tpot_m = (
+            h.labels(**self.labels) for h in (self.ttft, self.itl, self.e2e, self.queue, self.tpot))
         self._last = {"queries": 0, "hits": 0, "preempt": 0, "prompt": 0, "gen": 0}
 
     def update_stats(self, s) -> None:
@@ -65,6 +82,7 @@ class Metrics:
         self.running.labels(**L).set(s.num_running)
         self.waiting.labels(**L).set(s.num_waiting)
         self.kv_usage.labels(**L).set(s.kv_cache_usage)
+        self.gpu_cache.labels(**L).set(s.kv_cache_usage)
         self.startup_pending.labels(**L).set(int(s.startup_work_pending))
         for key, counter, value in (("queries", self.prefix_queries, s.prefix_cache_queries),
                                     ("hits", self.prefix_hits, s.prefix_cache_hits),
@@ -91,21 +109,34 @@ class RequestTimer:
         self.m = metrics
         self.start = time.monotonic()
         self.last: float | None = None
+        self.first: float | None = None  # seconds from the start to the first token
+        self.queued = 0.0  # seconds waiting before first scheduled (the engine's)
 
     def token(self, queued_s: float | None = None) -> None:
         now = time.monotonic()
         if self.last is None:
-            self.m.ttft_m.observe(now - self.start)
+            self.first = now - self.start
+            self.m.ttft_m.observe(self.first)
             if queued_s is not None:
+                self.queued = queued_s
                 self.m.queue_m.observe(queued_s)
         else:
             self.m.itl_m.observe(now - self.last)
+            self.m.tpot_m.observe(now - self.last)
         self.last = now
 
-    def finish(self, reasons: list[str | None]) -> None:
-        self.m.e2e_m.observe(time.monotonic() - self.start)
+    def finish(self, reasons: list[str | None], prompt_tokens: int = 0, generated_tokens: int = 0) -> None:
+        e2e = time.monotonic() - self.start
+        self.m.e2e_m.observe(e2e)
+        L = self.m.labels
         for r in reasons:
-            self.m.request_success.labels(finished_reason=r or "abort", **self.m.labels).inc()
+            self.m.request_success.labels(finished_reason=r or "abort", **L).inc()
+        self.m.request_prompt.labels(**L).observe(prompt_tokens)
+        self.m.request_generation.labels(**L).observe(generated_tokens)
+        if self.first is not None:  # the phases, as vLLM splits a request's time
+            self.m.inference.labels(**L).observe(max(0.0, e2e - self.queued))
+            self.m.prefill.labels(**L).observe(max(0.0, self.first - self.queued))
+            self.m.decode.labels(**L).observe(max(0.0, e2e - self.first))
 
 
 def startup_pending(exposition: str) -> bool | None:

@@ -242,7 +242,8 @@ async def track(st: ServerState, gen: AsyncIterator[RequestOutput], rid: str) ->
         raise api_error(e, "prompt") from None
     finally:
         if last is not None and last.finished:
-            timer.finish([c.finish_reason for c in last.outputs])
+            timer.finish([c.finish_reason for c in last.outputs], len(last.prompt_token_ids),
+                         sum(len(c.token_ids) for c in last.outputs))
             if st.log_requests is not None:
                 st.log_requests.finished(rid, last)
 

@@ -307,7 +307,10 @@ def test_metrics_named_as_vllm(server, client):
                  "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
                  "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
                  "vllm:request_queue_time_seconds_bucket",
-                 "vllm:request_success_total"):
+                 "vllm:request_success_total", "vllm:request_prompt_tokens_bucket",
+                 "vllm:request_generation_tokens_bucket", "vllm:request_inference_time_seconds_bucket",
+                 "vllm:request_prefill_time_seconds_bucket", "vllm:request_decode_time_seconds_bucket",
+                 "vllm:time_per_output_token_seconds_bucket", "vllm:gpu_cache_usage_perc"):
         assert name in text, name
     gen = [ln for ln in text.splitlines() if ln.startswith("vllm:generation_tokens_total")]
     assert float(gen[0].split()[-1]) >= 3
@@ -317,3 +320,10 @@ def test_metrics_named_as_vllm(server, client):
     # observed, not only declared: a first token, the two gaps after it, the request's end
     assert count("vllm:time_to_first_token_seconds") >= 1 and count("vllm:inter_token_latency_seconds") >= 2
     assert count("vllm:e2e_request_latency_seconds") >= 1 and count("vllm:request_queue_time_seconds") >= 1
+    assert count("vllm:request_decode_time_seconds") == count("vllm:e2e_request_latency_seconds")
+    assert count("vllm:time_per_output_token_seconds") == count("vllm:inter_token_latency_seconds")
+
+    def bucket(name, le):
+        return float(next(ln for ln in text.splitlines() if ln.startswith(f'{name}_bucket{{le="{le}"')).split()[-1])
+    # the 3-token request: in the 5 bucket of generated tokens, not in the 2 one
+    assert bucket("vllm:request_generation_tokens", "5.0") - bucket("vllm:request_generation_tokens", "2.0") >= 1

@@ -223,19 +223,20 @@ def cmd_serve(a: argparse.Namespace) -> int:
     # before it is ready (platform/pages.py)
     kwargs["kv_populate"] = "idle"
     kwargs["weight_hugepages"] = "idle"
-    config = EngineConfig(**kwargs, served_model_name=a.served_model_name)
+    names = a.served_model_name or [None]
+    config = EngineConfig(**kwargs, served_model_name=names[0])
     api_key = a.api_key or os.environ.get("CPUSERVE_API_KEY") or os.environ.get("VLLM_API_KEY")
     parser = a.tool_call_parser if a.enable_auto_tool_choice else None
     cors = Cors(tuple(a.allowed_origins), tuple(a.allowed_methods), tuple(a.allowed_headers), a.allow_credentials)
     tls = Tls(a.ssl_keyfile, a.ssl_certfile, a.ssl_ca_certs, a.ssl_cert_reqs) if a.ssl_certfile else None
     return run(config, ServeOptions(
-        a.host, a.port, a.served_model_name, api_key, a.max_waiting_requests, a.max_request_body_bytes,
+        a.host, a.port, names[0], api_key, a.max_waiting_requests, a.max_request_body_bytes,
         a.drain_timeout, parser, a.chat_template, cors, stats_interval=None if a.disable_log_stats else a.stats_interval,
         tls=tls, root_path=a.root_path, docs=not a.disable_fastapi_docs, log_level=a.uvicorn_log_level,
         access_log=not a.disable_uvicorn_access_log, prompt_tokens_details=a.enable_prompt_tokens_details,
         force_usage=a.enable_force_include_usage, tokens_as_ids=a.return_tokens_as_token_ids,
         log_requests=RequestLog(a.max_log_len, a.enable_log_outputs) if a.enable_log_requests else None,
-        reasoning_parser=a.reasoning_parser))
+        reasoning_parser=a.reasoning_parser, model_aliases=tuple(names[1:])))
 
 
 def cmd_topology(a: argparse.Namespace) -> int:
@@ -366,7 +367,9 @@ def _add_serve(sub) -> None:
     add_engine_args(s)
     s.add_argument("--host", default="0.0.0.0")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", default=None, help="model name clients use (default: smollm2 / dir name)")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use (default: smollm2 / dir name); with several, requests may name "
+                        "any and answers name the first")
     s.add_argument("--api-key", default=None, help="require this bearer token on /v1 (or CPUSERVE_API_KEY)")
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="queue bound: further requests get 503 until the queue drains")

@@ -60,6 +60,7 @@ class ServeOptions:
     tokens_as_ids: bool = False           # --return-tokens-as-token-ids: logprobs name tokens by id
     log_requests: RequestLog | None = None  # --enable-log-requests (off: None)
     reasoning_parser: str | None = None   # --reasoning-parser: deepseek_r1 | qwen3
+    model_aliases: tuple[str, ...] = ()   # --served-model-name's further names: requests may use them too
 
     @property
     def url(self) -> str:

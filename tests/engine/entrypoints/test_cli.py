@@ -108,6 +108,10 @@ def test_http_options_reach_the_server(served, tmp_path):
     assert served[3][1].log_requests == RequestLog(100, True)
     assert cli.main(["serve", "--disable-log-requests"]) == 0 and served[4][1].log_requests is None
     assert cli.main(["serve", "--reasoning-parser", "qwen3"]) == 0 and served[5][1].reasoning_parser == "qwen3"
+    assert cli.main(["serve", "--served-model-name", "a", "b", "c"]) == 0
+    assert (served[6][0].served_model_name, served[6][1].served_model_name, served[6][1].model_aliases) == \
+        ("a", "a", ("b", "c"))
+    assert served[5][1].served_model_name is None and served[5][1].model_aliases == ()
     assert not (served[1][1].prompt_tokens_details or served[1][1].force_usage or served[1][1].tokens_as_ids)
     assert "ssl_certfile" not in serve.uvicorn_options(served[1][1])
 

@@ -61,6 +61,7 @@ class ServerState:
     tokens_as_ids: bool = False  # --return-tokens-as-token-ids: a request's return_tokens_as_token_ids default
     log_requests: RequestLog | None = None  # --enable-log-requests / --enable-log-outputs
     reasoning_parser: str | None = None  # --reasoning-parser: chat answers' reasoning_content (reasoning.py)
+    aliases: tuple[str, ...] = ()  # --served-model-name's further names, which requests may use
 
     def token_text(self, as_ids: bool | None) -> TokenText:
         """How a request's logprobs name tokens: its return_tokens_as_token_ids, else the server's."""
@@ -76,8 +77,9 @@ class ServerState:
 
     def check_model(self, name: str | None, task: str | None = "generate") -> None:
         """404 for another model's name; 400 for a route the model's task does not serve (None: any)."""
-        if name not in (None, "", self.served_model_name):
-            raise APIError(404, f"the model `{name}` does not exist (served: `{self.served_model_name}`)",
+        if name not in (None, "", self.served_model_name, *self.aliases):
+            served = ", ".join(f"`{n}`" for n in (self.served_model_name, *self.aliases))
+            raise APIError(404, f"the model `{name}` does not exist (served: {served})",
                            "not_found_error", "model")
         served = self.engine.info.task if self.engine.info is not None else task
         if task is not None and served != task:

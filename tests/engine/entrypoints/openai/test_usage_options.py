@@ -1,7 +1,8 @@
 """vLLM's server-wide usage, logprob and logging options on the real model:
 --enable-prompt-tokens-details (usage names the prompt tokens the prefix cache held),
 --enable-force-include-usage (every stream ends with its usage), --return-tokens-as-token-ids (a
-request's own field still wins), --enable-log-requests / --enable-log-outputs / --max-log-len."""
+request's own field still wins), --enable-log-requests / --enable-log-outputs / --max-log-len, and
+several --served-model-name names."""
 import json
 
 import httpx
@@ -15,7 +16,8 @@ PROMPT = "Here is a list of the planets of the solar system in order from the su
 @pytest.fixture(scope="module")
 def s():
     server = Server("--enable-prompt-tokens-details", "--enable-force-include-usage", "--return-tokens-as-token-ids",
-                    "--enable-log-requests", "--enable-log-outputs", "--max-log-len", "12")
+                    "--enable-log-requests", "--enable-log-outputs", "--max-log-len", "12",
+                    "--served-model-name", "smollm2", "small-chat")
     yield server
     server.stop()
 
@@ -68,6 +70,15 @@ def test_requests_and_answers_are_logged_cut_to_the_max_log_len(s):
     assert f"Generated response {rid}-0 (choice 0): output: {answer[:12]!r}" in log and "finish_reason: length" in log
     post(s, "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
     assert "prompt: '<|im_start|>" in s.output()  # chat: the rendered conversation
+
+
+def test_every_served_name_is_served_and_answers_name_the_first(s):
+    assert [m["id"] for m in httpx.get(s.url + "/v1/models").json()["data"]] == ["smollm2", "small-chat"]
+    r = post(s, "/v1/completions", model="small-chat", prompt="Hi", max_tokens=1).json()
+    assert r["model"] == "smollm2"
+    assert httpx.get(s.url + "/v1/models/small-chat").json()["id"] == "small-chat"
+    other = httpx.post(s.url + "/v1/completions", json={"model": "big", "prompt": "Hi"})
+    assert other.status_code == 404 and "(served: `smollm2`, `small-chat`)" in other.json()["error"]["message"]
 
 
 def test_without_the_options_usage_is_openais_plain_one(client):

@@ -9,15 +9,16 @@ from cpuserve.entrypoints.openai.serving import server_state
 router = APIRouter()
 
 
-def model_card(st) -> dict:
+def model_card(st, name: str) -> dict:
     info = st.engine.info
-    return {"id": st.served_model_name, "object": "model", "created": now(), "owned_by": "cpuserve",
+    return {"id": name, "object": "model", "created": now(), "owned_by": "cpuserve",
             "root": info.model_dir if info else None, "max_model_len": info.max_model_len if info else None}
 
 
 @router.get("/v1/models", operation_id="list_models")
 async def models(request: Request):
-    return {"object": "list", "data": [model_card(server_state(request))]}
+    st = server_state(request)
+    return {"object": "list", "data": [model_card(st, n) for n in (st.served_model_name, *st.aliases)]}
 
 
 @router.get("/v1/models/{model:path}", operation_id="retrieve_model")
@@ -25,4 +26,4 @@ async def model(model: str, request: Request):
     """OpenAI's retrieve (client.models.retrieve): the served model, or a 404 naming what is served."""
     st = server_state(request)
     st.check_model(model, task=None)
-    return model_card(st)
+    return model_card(st, model)

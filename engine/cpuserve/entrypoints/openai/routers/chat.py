@@ -94,10 +94,13 @@ class ChatView:
             content, _ = ts.push(text, done=True)
         except ValueError:  # an enforced call cut short by max_tokens: the text as it is
             return {"role": "assistant", "content": text, **thought}, c.finish_reason
-        if parser is not None and not content and not self.echo:
-            content = None  # all of it was reasoning (or tool calls)
-        msg = {"role": "assistant", "content": self.echo + content if not ts.calls and content is not None
-               else (content or None), **thought}
+        if ts.calls:
+            body = content or None
+        elif parser is not None and not content and not self.echo:
+            body = None  # all of it was reasoning
+        else:
+            body = self.echo + content
+        msg = {"role": "assistant", "content": body, **thought}
         if ts.calls:
             msg["tool_calls"] = [call.as_dict() for call in ts.calls]
         return msg, self.finish_reason(ts, c.finish_reason)

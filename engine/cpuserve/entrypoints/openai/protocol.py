@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cpuserve.core.sampling_params import SamplingParams
 from cpuserve.entrypoints.openai.streaming import StreamUsage
-from cpuserve.entrypoints.openai.tools import NamedToolChoice, ToolDef
+from cpuserve.entrypoints.openai.tools import FunctionDef, NamedFunction, NamedToolChoice, ToolDef
 from cpuserve.core.generation_config import SamplingDefaults
 from cpuserve.structured.spec import GrammarSpec, SpecError, from_fields, from_response_format
 
@@ -270,14 +270,32 @@ class InputMessage(BaseModel):
     content: str | list[InputText]
 
 
+class FunctionCallInput(BaseModel):
+    """An earlier answer's function call, sent back in a Responses API input."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutput(BaseModel):
+    """The result of a function call, for the model to read (a chat `tool` message)."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
 class ResponsesRequest(ChatTemplateFields):
     """OpenAI's Responses API (POST /v1/responses), stateless: the conversation comes whole in
-    `input` (a string: one user message) after `instructions` (a system message); `text.format`
-    constrains the answer as chat's response_format does (its json_schema flattened). What this
-    server does not serve is a 400 naming it: stored responses (previous_response_id), tools,
-    background runs."""
+    `input` (a string: one user message; or messages, function calls and their outputs) after
+    `instructions` (a system message); `text.format` constrains the answer as chat's
+    response_format does (its json_schema flattened); function `tools` are chat's, in the
+    Responses shape. What this server does not serve is a 400 naming it: stored responses
+    (previous_response_id), tools of other types (web search, files, MCP), background runs."""
     model: str | None = None
-    input: str | list[InputMessage]
+    input: str | list[InputMessage | FunctionCallInput | FunctionCallOutput]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -303,19 +321,48 @@ class ResponsesRequest(ChatTemplateFields):
                     "previous_response_id")
         if self.background:
             return "background responses are not served here", "background"
-        if self.tools:
-            return "tool calls are served on /v1/chat/completions, not on /v1/responses", "tools"
+        other = sorted({str(t.get("type")) for t in self.tools or () if t.get("type") != "function"})
+        if other:
+            return f"only function tools are served here, not {', '.join(other)}", "tools"
         if isinstance(self.input, list) and not self.input:
             return "input must be a string or at least one message", "input"
         return None
 
     @property
     def messages(self) -> list[ChatMessage]:
-        """The conversation for the chat template: instructions first, as the system message."""
+        """The conversation for the chat template: instructions first, as the system message; a run
+        of function calls as one assistant turn with tool_calls, each output as a tool message."""
         turns = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
-        head = [ChatMessage(role="system", content=self.instructions)] if self.instructions is not None else []
-        return head + [ChatMessage(role=m.role, content=m.content if isinstance(m.content, str)
-                                   else "".join(p.text for p in m.content)) for m in turns]
+        out = [ChatMessage(role="system", content=self.instructions)] if self.instructions is not None else []
+        for t in turns:
+            if isinstance(t, FunctionCallInput):
+                call = ToolCallItem(id=t.call_id, function=ToolCallFunction(name=t.name, arguments=t.arguments))
+                if out and out[-1].role == "assistant" and out[-1].tool_calls:
+                    out[-1].tool_calls.append(call)
+                else:
+                    out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+            elif isinstance(t, FunctionCallOutput):
+                out.append(ChatMessage(role="tool", content=t.output, tool_call_id=t.call_id))
+            else:
+                out.append(ChatMessage(role=t.role, content=t.content if isinstance(t.content, str)
+                                       else "".join(p.text for p in t.content)))
+        return out
+
+    def chat_tools(self) -> list[ToolDef] | None:
+        """The function tools in chat's shape (a ValueError for a malformed one)."""
+        return [ToolDef(function=FunctionDef(**{k: v for k, v in t.items() if k != "type"}))
+                for t in self.tools or ()] or None
+
+    def chat_tool_choice(self) -> str | NamedToolChoice | None:
+        """tool_choice in chat's shape (a ValueError for a malformed one)."""
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+                raise ValueError('tool_choice is "none", "auto", "required" or {"type": "function", "name": ...}')
+            choice = NamedToolChoice(function=NamedFunction(name=choice["name"]))
+        elif choice not in (None, "none", "auto", "required"):
+            raise ValueError('tool_choice is "none", "auto", "required" or {"type": "function", "name": ...}')
+        return choice
 
     @property
     def format(self) -> dict:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 
 from cpuserve.core.sampling_params import SamplingParams
 from cpuserve.engine.outputs import RequestOutput
 from cpuserve.entrypoints.openai import links
+from cpuserve.entrypoints.openai import tools as tl
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import ResponsesRequest, now
 from cpuserve.entrypoints.openai.serving import (ServerState, constraint, generate, rendered, sampling_params,
@@ -28,43 +30,68 @@ async def responses(req: ResponsesRequest, request: Request):
     refused = req.unserved()
     if refused:
         raise APIError(400, refused[0], param=refused[1])
-    ids = await asyncio.to_thread(render_input, req, st.tokenizer)  # off the event loop
+    tools, mode = function_tools(req, st)
+    ids = await asyncio.to_thread(render_input, req, st.tokenizer, tools)  # off the event loop
     spec = await constraint(req)
-    params = sampling_params(req.sampling_params, max(1, st.engine.info.max_model_len - len(ids)), spec, st.defaults)
-    view = ResponseView(st, req, params, len(ids))
+    enforced = tl.constraint(tools, mode, req.parallel_tool_calls is not False)
+    if enforced is not None and spec is not None:
+        raise APIError(400, "text.format cannot be combined with tool_choice 'required' or a named function (the "
+                       "call's schema is the constraint)", param="tool_choice")
+    structured = spec or enforced
+    if structured is not None and st.reasoning_parser:  # as chat: free reasoning first
+        structured = replace(structured, after_reasoning=st.reasoning_parser)
+    params = sampling_params(req.sampling_params, max(1, st.engine.info.max_model_len - len(ids)), structured,
+                             st.defaults)
+    view = ResponseView(st, req, params, len(ids), mode)
     return await generate(request, [(None, ids, params)], view.stream, view.final, req.stream)
 
 
-def render_input(req: ResponsesRequest, tok) -> list[int]:
-    ids = tok.encode(rendered(req, tok, req.chat_template), add_special_tokens=False)
+def function_tools(req: ResponsesRequest, st: ServerState) -> tuple[list | None, str]:
+    """The request's function tools in chat's shape and the tool mode they are served in (tools.py)."""
+    try:
+        tools = req.chat_tools()
+    except ValueError as e:
+        raise APIError(400, f"invalid tools: {e}", param="tools") from None
+    try:
+        return tools, tl.resolve_choice(tools, req.chat_tool_choice(), st.tool_call_parser is not None)
+    except ValueError as e:
+        raise APIError(400, str(e), param="tool_choice") from None
+
+
+def render_input(req: ResponsesRequest, tok, tools: list | None = None) -> list[int]:
+    extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
+    ids = tok.encode(rendered(req, tok, req.chat_template, **extra), add_special_tokens=False)
     if not ids:
         raise APIError(400, "the rendered input is empty", param="input")
     return ids
 
 
 class ResponseView:
-    """Renders an engine request as a response object, whole or as its stream of events."""
+    """Renders an engine request as a response object, whole or as its stream of events: a
+    message of output_text, and the function calls the answer makes (tools.py finds them)."""
 
-    def __init__(self, st: ServerState, req: ResponsesRequest, params: SamplingParams, input_tokens: int):
-        self.st, self.req, self.params, self.input_tokens = st, req, params, input_tokens
+    def __init__(self, st: ServerState, req: ResponsesRequest, params: SamplingParams, input_tokens: int,
+                 mode: str = "none"):
+        self.st, self.req, self.params, self.input_tokens, self.mode = st, req, params, input_tokens, mode
         self.created = now()
 
-    def response(self, base: str, status: str, text: str | None = None, out: RequestOutput | None = None) -> dict:
-        """The response object: in progress (no output yet), or done with the message's text."""
+    def tool_stream(self) -> tl.ToolStream:
+        parser = tl.make_parser(self.st.tool_call_parser) if self.mode == "auto" else None
+        return tl.ToolStream(self.mode, parser)
+
+    def response(self, base: str, status: str, output: list | None = None, out: RequestOutput | None = None) -> dict:
+        """The response object: in progress (no output yet), or done with its output items."""
         r = self.req
-        c = out.outputs[0] if out is not None else None
-        incomplete = c is not None and c.finish_reason == "length"
-        output = [] if text is None else [self.message(base, text, "incomplete" if incomplete else "completed")]
+        incomplete = status == "incomplete"
         return {"id": f"resp_{base}", "object": "response", "created_at": self.created, "status": status,
                 "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
                 "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
-                "model": self.st.served_model_name,
-                "output": output,
+                "model": self.st.served_model_name, "output": output or [],
                 "parallel_tool_calls": r.parallel_tool_calls is not False, "previous_response_id": None,
                 "reasoning": None, "store": False, "temperature": self.params.temperature,
-                "text": {"format": r.format}, "tool_choice": "none", "tools": [],
-                "top_p": self.params.top_p, "truncation": r.truncation or "disabled",
-                "usage": None if c is None else self.usage(out), "user": r.user, "metadata": r.metadata or {}}
+                "text": {"format": r.format}, "tool_choice": r.tool_choice or ("auto" if r.tools else "none"),
+                "tools": r.tools or [], "top_p": self.params.top_p, "truncation": r.truncation or "disabled",
+                "usage": None if out is None else self.usage(out), "user": r.user, "metadata": r.metadata or {}}
 
     def usage(self, out: RequestOutput) -> dict:
         n = len(out.outputs[0].token_ids)
@@ -77,38 +104,89 @@ class ResponseView:
         return {"type": "message", "id": f"msg_{base}", "status": status, "role": "assistant",
                 "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
+    @staticmethod
+    def call_item(base: str, k: int, call: tl.ToolCall) -> dict:
+        return {"type": "function_call", "id": f"fc_{base}_{k}", "call_id": call.id, "name": call.name,
+                "arguments": call.arguments, "status": "completed"}
+
+    def parts(self, text: str) -> tuple[str | None, list[tl.ToolCall]]:
+        """The answer's text (None where it is only calls) and its calls."""
+        ts = self.tool_stream()
+        try:
+            content, _ = ts.push(text, done=True)
+        except ValueError:  # an enforced call cut short by max_output_tokens: the text as it is
+            return text, []
+        return (content or None) if ts.calls else content, ts.calls
+
     def final(self, base: str, outs: list[RequestOutput]) -> dict:
         out = outs[0]
         c = out.outputs[0]
-        return self.response(base, "incomplete" if c.finish_reason == "length" else "completed", c.text, out)
+        status = "incomplete" if c.finish_reason == "length" else "completed"
+        text, calls = self.parts(c.text)
+        output = [] if text is None else [self.message(base, text, status)]
+        output += [self.call_item(base, k, call) for k, call in enumerate(calls)]
+        return self.response(base, status, output, out)
 
     async def stream(self, base: str, items):
-        events = EventStream()
-        part = {"type": "output_text", "text": "", "annotations": []}
-        at = {"item_id": f"msg_{base}", "output_index": 0, "content_index": 0}
+        events, at = EventStream(), {"item_id": f"msg_{base}", "output_index": 0, "content_index": 0}
         yield events.send("response.created", response=self.response(base, "in_progress"))
         yield events.send("response.in_progress", response=self.response(base, "in_progress"))
-        yield events.send("response.output_item.added", output_index=0,
-                          item={**self.message(base, "", "in_progress"), "content": []})
-        yield events.send("response.content_part.added", **at, part=part)
-        deltas, last = DeltaTracker([]), None
+        deltas, ts, last, opened = DeltaTracker([]), self.tool_stream(), None, False
         try:
             async for _, out in items:
                 last = out
                 step = deltas.advance(0, out.outputs[0])
-                if step is not None and step[0]:
-                    yield events.send("response.output_text.delta", **at, delta=step[0], logprobs=[])
+                content = self.stream_text(ts, step) if step is not None else ""
+                if content and not opened:
+                    opened = True
+                    yield "".join(self.open_message(events, base, at))
+                if content:
+                    yield events.send("response.output_text.delta", **at, delta=content, logprobs=[])
         except APIError as e:
             yield events.send("error", code=e.type, message=e.message, param=e.param)
             return
         if last is None:  # (the engine ended the request without an output)
             yield events.send("error", code="server_error", message="the engine returned no output", param=None)
             return
-        done, text = self.final(base, [last]), last.outputs[0].text
-        yield events.send("response.output_text.done", **at, text=text, logprobs=[])
-        yield events.send("response.content_part.done", **at, part={**part, "text": text})
-        yield events.send("response.output_item.done", output_index=0, item=done["output"][0])
+        done = self.final(base, [last])
+        yield "".join(self.close_items(events, base, at, done, opened))
         yield events.send(f"response.{done['status']}", response=done)
+
+    @staticmethod
+    def stream_text(ts: tl.ToolStream, step) -> str:
+        """The text a step releases (what may be a call is held back by the tool stream)."""
+        text, _, _, done = step
+        try:
+            return ts.push(text, done)[0]
+        except ValueError:  # an enforced call cut short: what is left goes out as text
+            return ts.text[ts.sent:]
+
+    def open_message(self, events: EventStream, base: str, at: dict):
+        yield events.send("response.output_item.added", output_index=0,
+                          item={**self.message(base, "", "in_progress"), "content": []})
+        yield events.send("response.content_part.added", **at, part={"type": "output_text", "text": "",
+                                                                     "annotations": []})
+
+    def close_items(self, events: EventStream, base: str, at: dict, done: dict, opened: bool):
+        """The done events of the message (opened here if no text was streamed) and each call's."""
+        items = done["output"]
+        if items and items[0]["type"] == "message":
+            if not opened:
+                yield from self.open_message(events, base, at)
+            part = items[0]["content"][0]
+            yield events.send("response.output_text.done", **at, text=part["text"], logprobs=[])
+            yield events.send("response.content_part.done", **at, part=part)
+            yield events.send("response.output_item.done", output_index=0, item=items[0])
+        for k, item in enumerate(items):
+            if item["type"] != "function_call":
+                continue
+            yield events.send("response.output_item.added", output_index=k,
+                              item={**item, "arguments": "", "status": "in_progress"})
+            yield events.send("response.function_call_arguments.delta", item_id=item["id"], output_index=k,
+                              delta=item["arguments"])
+            yield events.send("response.function_call_arguments.done", item_id=item["id"], output_index=k,
+                              arguments=item["arguments"])
+            yield events.send("response.output_item.done", output_index=k, item=item)
 
 
 class EventStream:

@@ -1,7 +1,8 @@
 """Reasoning parsers (--reasoning-parser): a thinking model's answer split into reasoning_content
 and content, the same whole or streamed in any chunks; on the real model (which thinks first after
 a few answers that do) through the server, streamed and not; structured output and enforced tool
-calls holding after the reasoning (the grammar side: structured/test_grammar.py)."""
+calls holding after the reasoning (the grammar side: structured/test_grammar.py); the Responses
+API's reasoning item, whole and streamed."""
 import json
 
 import httpx
@@ -93,3 +94,24 @@ def test_without_a_parser_the_think_block_is_content(server):
     body = {"messages": FEW_SHOT, "temperature": 0, "max_tokens": 30}
     msg = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
     assert msg["content"].startswith("<think>") and "</think>" in msg["content"] and "reasoning_content" not in msg
+
+
+def test_the_responses_api_answers_a_reasoning_item_before_the_message(thinker):
+    chat = httpx.post(thinker.url + "/v1/chat/completions", timeout=60,
+                      json={"messages": FEW_SHOT, "temperature": 0, "max_tokens": 30}).json()["choices"][0]["message"]
+    body = {"input": FEW_SHOT, "temperature": 0, "max_output_tokens": 30}
+    r = httpx.post(thinker.url + "/v1/responses", json=body, timeout=60).json()
+    assert [o["type"] for o in r["output"]] == ["reasoning", "message"]
+    assert r["output"][0]["content"][0]["text"] == chat["reasoning_content"]
+    assert r["output"][1]["content"][0]["text"] == chat["content"]
+    raw = httpx.post(thinker.url + "/v1/responses", json={**body, "stream": True}, timeout=60).text
+    events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: ")]
+    kinds = [e["type"] for e in events]
+    thought = [i for i, k in enumerate(kinds) if k == "response.reasoning_text.delta"]
+    said = [i for i, k in enumerate(kinds) if k == "response.output_text.delta"]
+    assert kinds[2] == "response.output_item.added" and events[2]["item"]["type"] == "reasoning"
+    assert thought and said and max(thought) < kinds.index("response.reasoning_text.done") < min(said)
+    assert "".join(events[i]["delta"] for i in thought) == chat["reasoning_content"]
+    assert "".join(events[i]["delta"] for i in said) == chat["content"]
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1]
+    assert [o["content"] for o in events[-1]["response"]["output"]] == [o["content"] for o in r["output"]]

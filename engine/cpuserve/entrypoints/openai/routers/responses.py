@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from cpuserve.core.sampling_params import SamplingParams
 from cpuserve.engine.outputs import RequestOutput
 from cpuserve.entrypoints.openai import links
+from cpuserve.entrypoints.openai import reasoning as rs
 from cpuserve.entrypoints.openai import tools as tl
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import ResponsesRequest, now
@@ -118,30 +119,42 @@ class ResponseView:
             return text, []
         return (content or None) if ts.calls else content, ts.calls
 
+    @staticmethod
+    def reasoning_item(base: str, text: str, status: str) -> dict:
+        return {"type": "reasoning", "id": f"rs_{base}", "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": text}]}
+
     def final(self, base: str, outs: list[RequestOutput]) -> dict:
         out = outs[0]
         c = out.outputs[0]
         status = "incomplete" if c.finish_reason == "length" else "completed"
-        text, calls = self.parts(c.text)
-        output = [] if text is None else [self.message(base, text, status)]
+        parser = self.st.reasoning_parser
+        reasoning, answer = rs.split(parser, c.text) if parser else ("", c.text)
+        text, calls = self.parts(answer)
+        output = [self.reasoning_item(base, reasoning, status)] if reasoning else []
+        if text is not None and (text or not reasoning):  # (a cut-short thought has no message)
+            output.append(self.message(base, text, status))
         output += [self.call_item(base, k, call) for k, call in enumerate(calls)]
         return self.response(base, status, output, out)
 
     async def stream(self, base: str, items):
-        events, at = EventStream(), {"item_id": f"msg_{base}", "output_index": 0, "content_index": 0}
+        events = ResponseEvents(self, base)
         yield events.send("response.created", response=self.response(base, "in_progress"))
         yield events.send("response.in_progress", response=self.response(base, "in_progress"))
-        deltas, ts, last, opened = DeltaTracker([]), self.tool_stream(), None, False
+        deltas, ts, last = DeltaTracker([]), self.tool_stream(), None
+        thinking = rs.ReasoningStream(self.st.reasoning_parser) if self.st.reasoning_parser else None
         try:
             async for _, out in items:
                 last = out
                 step = deltas.advance(0, out.outputs[0])
-                content = self.stream_text(ts, step) if step is not None else ""
-                if content and not opened:
-                    opened = True
-                    yield "".join(self.open_message(events, base, at))
-                if content:
-                    yield events.send("response.output_text.delta", **at, delta=content, logprobs=[])
+                if step is None:
+                    continue
+                text, _, _, done = step
+                reasoning, text = thinking.push(text, done) if thinking else ("", text)
+                sent = "".join([*events.delta("reasoning", reasoning),
+                                *events.delta("message", self.stream_text(ts, text, done))])
+                if sent:
+                    yield sent
         except APIError as e:
             yield events.send("error", code=e.type, message=e.message, param=e.param)
             return
@@ -149,44 +162,88 @@ class ResponseView:
             yield events.send("error", code="server_error", message="the engine returned no output", param=None)
             return
         done = self.final(base, [last])
-        yield "".join(self.close_items(events, base, at, done, opened))
+        yield "".join(events.finish(done))
         yield events.send(f"response.{done['status']}", response=done)
 
     @staticmethod
-    def stream_text(ts: tl.ToolStream, step) -> str:
-        """The text a step releases (what may be a call is held back by the tool stream)."""
-        text, _, _, done = step
+    def stream_text(ts: tl.ToolStream, text: str, done: bool) -> str:
+        """The answer's text a step releases (what may be a call is held back by the tool stream)."""
         try:
             return ts.push(text, done)[0]
         except ValueError:  # an enforced call cut short: what is left goes out as text
             return ts.text[ts.sent:]
 
-    def open_message(self, events: EventStream, base: str, at: dict):
-        yield events.send("response.output_item.added", output_index=0,
-                          item={**self.message(base, "", "in_progress"), "content": []})
-        yield events.send("response.content_part.added", **at, part={"type": "output_text", "text": "",
-                                                                     "annotations": []})
 
-    def close_items(self, events: EventStream, base: str, at: dict, done: dict, opened: bool):
-        """The done events of the message (opened here if no text was streamed) and each call's."""
-        items = done["output"]
-        if items and items[0]["type"] == "message":
-            if not opened:
-                yield from self.open_message(events, base, at)
-            part = items[0]["content"][0]
-            yield events.send("response.output_text.done", **at, text=part["text"], logprobs=[])
-            yield events.send("response.content_part.done", **at, part=part)
-            yield events.send("response.output_item.done", output_index=0, item=items[0])
-        for k, item in enumerate(items):
-            if item["type"] != "function_call":
-                continue
-            yield events.send("response.output_item.added", output_index=k,
-                              item={**item, "arguments": "", "status": "in_progress"})
-            yield events.send("response.function_call_arguments.delta", item_id=item["id"], output_index=k,
-                              delta=item["arguments"])
-            yield events.send("response.function_call_arguments.done", item_id=item["id"], output_index=k,
-                              arguments=item["arguments"])
-            yield events.send("response.output_item.done", output_index=k, item=item)
+class ResponseEvents:
+    """One response's events: its reasoning and its message opened as their first text arrives
+    (the reasoning first, closed as the message opens), and at the end the message's done events
+    and each function call's."""
+
+    def __init__(self, view: ResponseView, base: str):
+        self.view, self.base, self.events = view, base, EventStream()
+        self.items: list[str] = []  # the kinds opened, in output order
+        self.reasoning, self.reasoning_closed = "", False
+
+    def send(self, kind: str, **fields) -> str:
+        return self.events.send(kind, **fields)
+
+    def at(self, kind: str) -> dict:
+        return {"item_id": f"{'rs' if kind == 'reasoning' else 'msg'}_{self.base}",
+                "output_index": self.items.index(kind), "content_index": 0}
+
+    def delta(self, kind: str, text: str):
+        if not text:
+            return
+        if kind not in self.items:
+            if kind == "message":
+                yield from self.close_reasoning()
+            yield from self.open(kind)
+        if kind == "reasoning":
+            self.reasoning += text
+            yield self.send("response.reasoning_text.delta", **self.at(kind), delta=text)
+        else:
+            yield self.send("response.output_text.delta", **self.at(kind), delta=text, logprobs=[])
+
+    def open(self, kind: str):
+        self.items.append(kind)
+        if kind == "reasoning":
+            item = {**self.view.reasoning_item(self.base, "", "in_progress"), "content": []}
+            yield self.send("response.output_item.added", output_index=len(self.items) - 1, item=item)
+            return
+        item = {**self.view.message(self.base, "", "in_progress"), "content": []}
+        yield self.send("response.output_item.added", output_index=len(self.items) - 1, item=item)
+        yield self.send("response.content_part.added", **self.at(kind),
+                        part={"type": "output_text", "text": "", "annotations": []})
+
+    def close_reasoning(self):
+        if "reasoning" in self.items and not self.reasoning_closed:
+            self.reasoning_closed = True
+            yield self.send("response.reasoning_text.done", **self.at("reasoning"), text=self.reasoning)
+            yield self.send("response.output_item.done", output_index=self.items.index("reasoning"),
+                            item=self.view.reasoning_item(self.base, self.reasoning, "completed"))
+
+    def finish(self, done: dict):
+        """The done events of every item of the finished response (done["output"], in its order)."""
+        yield from self.close_reasoning()
+        for k, item in enumerate(done["output"]):
+            if item["type"] == "message":
+                if "message" not in self.items:
+                    yield from self.open("message")
+                part = item["content"][0]
+                yield self.send("response.output_text.done", **self.at("message"), text=part["text"], logprobs=[])
+                yield self.send("response.content_part.done", **self.at("message"), part=part)
+                yield self.send("response.output_item.done", output_index=k, item=item)
+            elif item["type"] == "function_call":
+                yield from self.call(k, item)
+
+    def call(self, k: int, item: dict):
+        yield self.send("response.output_item.added", output_index=k, item={**item, "arguments": "",
+                                                                           "status": "in_progress"})
+        yield self.send("response.function_call_arguments.delta", item_id=item["id"], output_index=k,
+                        delta=item["arguments"])
+        yield self.send("response.function_call_arguments.done", item_id=item["id"], output_index=k,
+                        arguments=item["arguments"])
+        yield self.send("response.output_item.done", output_index=k, item=item)
 
 
 class EventStream:

@@ -54,6 +54,7 @@ class EngineConfig:
     # generation_config.json) | vllm (none) | a directory holding one; overrides over them
     generation_config: str = "auto"
     override_generation_config: dict | None = None
+    max_logprobs: int = 20                # the most logprobs a request may ask for (-1: the whole vocabulary)
     binding: object | None = None     # binding.BindingPlan; None = planned from the environment at startup
     # True when neither kv_cache_space nor the environment set it: under a container memory limit
     # the engine then sizes the KV cache to what the limit leaves (ModelRunner), else 4 GiB
@@ -79,6 +80,8 @@ class EngineConfig:
             raise ValueError(f"weight_hugepages must be start, idle or off, got {self.weight_hugepages!r}")
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be auto, generate or pooling, got {self.runner!r}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary, got {self.max_logprobs}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.kv_cache_space is None:
@@ -87,6 +90,9 @@ class EngineConfig:
             self.kv_cache_space = self.kv_cache_space or DEFAULT_KV_CACHE_GIB
         if self.kv_cache_space <= 0:
             raise ValueError(f"kv_cache_space must be > 0 GiB, got {self.kv_cache_space}")
+
+    def resolve_max_logprobs(self, vocab_size: int) -> int:
+        return vocab_size if self.max_logprobs == -1 else self.max_logprobs
 
     def resolve_batched_tokens(self, max_model_len: int) -> int:
         if self.max_num_batched_tokens is not None:

@@ -66,11 +66,10 @@ class SamplingParams:
             bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
-                                                 or not 0 <= self.prompt_logprobs <= 20):
-            bad(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            bad(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
+            bad(f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad(f"seed must be an integer, got {self.seed!r}")
         if isinstance(self.stop, str):
@@ -101,6 +100,14 @@ class SamplingParams:
             bad(f"allowed_token_ids must hold 1 to {MAX_ALLOWED_TOKEN_IDS} ids, got {len(self.allowed_token_ids)}")
         if self.logit_bias and len(self.logit_bias) > MAX_LOGIT_BIAS:
             bad(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+
+    def logprobs_error(self, most: int) -> tuple[str, str] | None:
+        """(message, field) where the request asks for more logprobs than the engine returns
+        (EngineConfig.max_logprobs, vLLM's --max-logprobs), else None."""
+        for name, n in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if n is not None and n > most:
+                return f"{name} of {n} is more than the {most} this engine returns (--max-logprobs)", name
+        return None
 
     def vocab_error(self, vocab_size: int) -> tuple[str, str] | None:
         """(message, field) where a token id the request names is outside the model's vocabulary,

@@ -49,7 +49,8 @@ class EngineCore:
             raise ValueError("the prompt is empty")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        err = params.vocab_error(self.vocab_size)
+        err = params.vocab_error(self.vocab_size) or params.logprobs_error(
+            self.config.resolve_max_logprobs(self.vocab_size))
         if err:
             raise ValueError(err[0])
         self.scheduler.check_admissible(len(prompt_token_ids), params.max_tokens)

@@ -55,6 +55,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
                    help="pooling: serve a causal LM as an embedding model (last-token pooling); "
                         "auto: encoders embed, causal LMs generate")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs (and prompt logprobs) a request may ask for; -1: the whole vocabulary")
     p.add_argument("--generation-config", default="auto",
                    help="default sampling parameters: auto, the model's generation_config.json (temperature, "
                         "top_p, top_k, min_p, repetition_penalty; max_new_tokens caps every request); vllm, none; "
@@ -71,7 +73,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 max_prefill_tokens_while_decoding=a.max_prefill_tokens_while_decoding, max_model_len=a.max_model_len,
                 enable_prefix_caching=a.enable_prefix_caching, enable_chunked_prefill=a.enable_chunked_prefill,
                 seed=a.seed, tensor_parallel_size=a.tensor_parallel_size, runner=a.runner,
-                generation_config=a.generation_config, override_generation_config=a.override_generation_config)
+                generation_config=a.generation_config, override_generation_config=a.override_generation_config,
+                max_logprobs=a.max_logprobs)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

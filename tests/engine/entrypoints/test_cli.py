@@ -82,9 +82,11 @@ def test_the_stats_line_is_every_vllm_log_stats_interval_unless_disabled(served,
 
 
 def test_generation_config_options_reach_the_engine(served):
-    assert cli.main(["serve", "--generation-config", "vllm", "--override-generation-config", '{"top_k": 5}']) == 0
+    assert cli.main(["serve", "--generation-config", "vllm", "--override-generation-config", '{"top_k": 5}',
+                     "--max-logprobs", "-1"]) == 0
     config = served[0][0]
     assert (config.generation_config, config.override_generation_config) == ("vllm", {"top_k": 5})
+    assert config.max_logprobs == -1 and config.resolve_max_logprobs(49152) == 49152
 
 
 def test_http_options_reach_the_server(served, tmp_path):

@@ -69,3 +69,10 @@ def test_the_generation_config_gives_the_default_sampling_params(tmp_path):
     assert out[0].outputs[0].token_ids == out[1].outputs[0].token_ids  # greedy, from the config
     own = llm.generate("Hi", SamplingParams(max_tokens=6, ignore_eos=True))[0].outputs[0]
     assert len(own.token_ids) == 6  # a call's own parameters are used as given
+
+
+def test_logprobs_beyond_max_logprobs_are_refused(llm_f32):
+    import pytest
+    with pytest.raises(ValueError, match=r"logprobs of 21 is more than the 20 this engine returns \(--max-logprobs\)"):
+        llm_f32.generate("Hi", SamplingParams(max_tokens=1, logprobs=21))
+    assert len(llm_f32.generate("Hi", SamplingParams(max_tokens=1, logprobs=20))[0].outputs[0].logprobs[0]) >= 20

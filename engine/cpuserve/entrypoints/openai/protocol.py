@@ -80,7 +80,7 @@ class SamplingFields(RequestBody):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None   # vLLM's: only these may be sampled
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: the prompt's last k tokens (-1: max_model_len)
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: each prompt token's logprob and the top k
+    prompt_logprobs: int | None = Field(None, ge=0)  # vLLM's: each prompt token's logprob and the top k
     # vLLM's, not served here: a 400 when asked for, never an answer that ignored them
     use_beam_search: bool = False
     bad_words: list[str] | None = None
@@ -154,7 +154,7 @@ class SamplingFields(RequestBody):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)  # 0: only with echo (the prompt and its logprobs back)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs (20)
     echo: bool = False  # the prompt before each choice's text, its logprobs before the choice's
     suffix: str | None = None
     best_of: int | None = None
@@ -238,7 +238,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs (20)
     chat_template: str | None = None
     tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

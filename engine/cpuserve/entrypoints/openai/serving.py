@@ -186,8 +186,9 @@ async def generate(request: Request, prompts: list[Prompt], stream_fn, final_fn,
     st = server_state(request)
     base = f"{request.state.request_id}-{uuid.uuid4().hex[:8]}"
     vocab = st.engine.info.vocab_size
+    most = st.engine.config.resolve_max_logprobs(vocab)
     for _, ids, params in prompts:
-        err = params.vocab_error(vocab)
+        err = params.vocab_error(vocab) or params.logprobs_error(most)
         if err:
             raise APIError(400, err[0], param=err[1])
         try:

@@ -2,7 +2,7 @@
 --enable-prompt-tokens-details (usage names the prompt tokens the prefix cache held),
 --enable-force-include-usage (every stream ends with its usage), --return-tokens-as-token-ids (a
 request's own field still wins), --enable-log-requests / --enable-log-outputs / --max-log-len, and
-several --served-model-name names."""
+several --served-model-name names, --max-logprobs."""
 import json
 
 import httpx
@@ -17,7 +17,7 @@ PROMPT = "Here is a list of the planets of the solar system in order from the su
 def s():
     server = Server("--enable-prompt-tokens-details", "--enable-force-include-usage", "--return-tokens-as-token-ids",
                     "--enable-log-requests", "--enable-log-outputs", "--max-log-len", "12",
-                    "--served-model-name", "smollm2", "small-chat")
+                    "--served-model-name", "smollm2", "small-chat", "--max-logprobs", "30")
     yield server
     server.stop()
 
@@ -79,6 +79,21 @@ def test_every_served_name_is_served_and_answers_name_the_first(s):
     assert httpx.get(s.url + "/v1/models/small-chat").json()["id"] == "small-chat"
     other = httpx.post(s.url + "/v1/completions", json={"model": "big", "prompt": "Hi"})
     assert other.status_code == 404 and "(served: `smollm2`, `small-chat`)" in other.json()["error"]["message"]
+
+
+def test_max_logprobs_bounds_what_a_request_may_ask(s, server):
+    r = post(s, "/v1/completions", prompt="Hello there, friend", max_tokens=2, logprobs=25,
+             prompt_logprobs=30).json()["choices"][0]
+    assert [len(top) for top in r["logprobs"]["top_logprobs"]] == [25, 25]  # named by id: no two alike
+    assert max(len(e) for e in r["prompt_logprobs"] if e) >= 30
+    chat = post(s, "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}], max_tokens=1, logprobs=True,
+                top_logprobs=30).json()["choices"][0]["logprobs"]["content"]
+    assert len(chat[0]["top_logprobs"]) == 30
+    for body, field in (({"logprobs": 31}, "logprobs"), ({"prompt_logprobs": 31}, "prompt_logprobs")):
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "logprobs": 21})
+    assert r.status_code == 400 and "logprobs of 21 is more than the 20" in r.json()["error"]["message"]
 
 
 def test_without_the_options_usage_is_openais_plain_one(client):

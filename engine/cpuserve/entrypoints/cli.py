@@ -489,10 +489,42 @@ def _add_model_tools(sub) -> None:
     f.set_defaults(func=cmd_fetch)
 
 
+def cmd_run_batch(a: argparse.Namespace) -> int:
+    import asyncio
+
+    from cpuserve.config import EngineConfig
+    from cpuserve.entrypoints.run_batch import run
+    from cpuserve.entrypoints.serve import prepare_platform
+
+    names = a.served_model_name or [None]
+    config = EngineConfig(**engine_kwargs(a), served_model_name=names[0])
+    prepare_platform(config)
+    return asyncio.run(run(config, Path(a.input), Path(a.output), a.max_concurrency, tuple(names[1:])))
+
+
+def _add_run_batch(sub) -> None:
+    b = sub.add_parser("run-batch", help="run an OpenAI batch file (JSONL) offline, as vLLM's run_batch")
+    add_engine_args(b)
+    b.add_argument("-i", "--input", required=True, help="the batch file: one {custom_id, method, url, body} a line")
+    b.add_argument("-o", "--output", required=True, help="the results, one line per request in the input's order")
+    b.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model name(s) the requests' bodies use (default: smollm2 / dir name)")
+    b.add_argument("--max-concurrency", type=int, default=256, help="requests in flight at once (default 256)")
+    b.set_defaults(func=cmd_run_batch, problem=run_batch_problem, command_parser=b)
+
+
+def run_batch_problem(a: argparse.Namespace) -> str | None:
+    if not Path(a.input).is_file():
+        return f"--input {a.input}: no such file"
+    if a.max_concurrency < 1:
+        return f"--max-concurrency must be >= 1, got {a.max_concurrency}"
+    return generation_config_problem(a.generation_config, a.override_generation_config)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cpuserve", description="LLM serving on CPUs")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_serve, _add_generate, _add_inspect, _add_bench, _add_model_tools):
+    for add in (_add_serve, _add_generate, _add_run_batch, _add_inspect, _add_bench, _add_model_tools):
         add(sub)
     return parser
 

@@ -125,8 +125,7 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
 
     from cpuserve.entrypoints.openai.app import build_app
 
-    name = opts.served_model_name or ("smollm2" if config.model in (None, "", "default") else
-                                 config.model.rstrip("/").split("/")[-1])
+    name = opts.served_model_name or default_served_name(config)
     app = build_app(engine, name, opts)
     server = draining_server(uvicorn.Config(app, **uvicorn_options(opts)), app.state.server, opts.drain_timeout)
     # Listen from the start: /health and every route answer 503 until the model is loaded.
@@ -155,6 +154,11 @@ async def serve(config: EngineConfig, opts: ServeOptions) -> int:
             stats.cancel()
         await engine.shutdown()
     return 1 if engine.dead else 0
+
+
+def default_served_name(config: EngineConfig) -> str:
+    """The model's name for clients where none is given: smollm2, or the model's file or directory name."""
+    return "smollm2" if config.model in (None, "", "default") else str(config.model).rstrip("/").split("/")[-1]
 
 
 def model_defaults(config: EngineConfig, model_dir):

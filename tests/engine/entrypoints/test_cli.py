@@ -133,3 +133,13 @@ def test_every_engine_choice_the_cli_offers_is_one_the_config_takes():
     assert ("quantization", "compressed-tensors") in offered and len(offered) > 15
     for field, choice in offered:
         EngineConfig(**{field: choice})
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-i", "no/such.jsonl", "-o", "out.jsonl"], "--input no/such.jsonl: no such file"),
+    (["-i", __file__, "-o", "out.jsonl", "--max-concurrency", "0"], "--max-concurrency must be >= 1, got 0"),
+])
+def test_bad_run_batch_options_are_refused_before_anything_loads(capsys, argv, message):
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["run-batch", *argv])
+    assert refused.value.code == 2 and f"cpuserve run-batch: error: {message}" in capsys.readouterr().err

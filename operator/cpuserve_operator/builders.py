@@ -221,6 +221,21 @@ def build_service(cr: dict, spec: ServerSpec) -> dict:
     }
 
 
+def build_pdb(cr: dict, spec: ServerSpec) -> dict:
+    """At most one of the server's pods evicted at a time (a node drain, a cluster autoscaler's
+    scale-down): with replicas on several NUMA nodes of one machine, a drain would otherwise take
+    them all at once. Pods that are not ready may go regardless (AlwaysAllow), so a crash-looping
+    replica never blocks a drain. The operator's own rolls delete pods and are not held by it."""
+    return {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": {"name": spec.name, "namespace": cr["metadata"]["namespace"],
+                     "labels": {"app.kubernetes.io/name": "cpuserve", L_SERVER: spec.name},
+                     "ownerReferences": [owner_ref(cr)]},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(spec.name)},
+                 "unhealthyPodEvictionPolicy": "AlwaysAllow"},
+    }
+
+
 def build_ingress(cr: dict, spec: ServerSpec) -> dict | None:
     ing = spec.ingress
     if not ing.get("enabled"):

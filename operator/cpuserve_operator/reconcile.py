@@ -174,6 +174,7 @@ def _reconcile(ns: str, name: str, api: client.ApiClient) -> None:
         failures.pop(idx)
     ps.forget_resolved()
     _apply_service(core, ns, b.build_service(cr, spec))
+    _apply_pdb(client.PolicyV1Api(api), ns, b.build_pdb(cr, spec))
     _apply_ingress(net, ns, spec.name, b.build_ingress(cr, spec))
     _write_status(custom, ns, name, cr, spec, core, result, [failures[i] for i in sorted(failures)], ps.problems)
 
@@ -331,6 +332,22 @@ def _apply_service(core, ns, body) -> None:
     if (existing.spec.type != body["spec"]["type"] or existing.spec.ports[0].port != body["spec"]["ports"][0]["port"]
             or existing.spec.selector != body["spec"]["selector"]):
         core.patch_namespaced_service(body["metadata"]["name"], ns, {"spec": body["spec"]})
+
+
+def _apply_pdb(policy, ns, body) -> None:
+    """Created once, patched only where its spec differs (an operator at rest writes nothing)."""
+    try:
+        existing = policy.read_namespaced_pod_disruption_budget(body["metadata"]["name"], ns)
+    except ApiException as e:
+        if e.status != 404:
+            raise
+        _create(policy.create_namespaced_pod_disruption_budget, ns, body)
+        return
+    want = body["spec"]
+    if (existing.spec.max_unavailable != want["maxUnavailable"]
+            or existing.spec.selector.match_labels != want["selector"]["matchLabels"]
+            or existing.spec.unhealthy_pod_eviction_policy != want["unhealthyPodEvictionPolicy"]):
+        policy.patch_namespaced_pod_disruption_budget(body["metadata"]["name"], ns, {"spec": want})
 
 
 def _apply_ingress(net, ns, name, body) -> None:

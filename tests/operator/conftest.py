@@ -1,5 +1,5 @@
 """A real control plane on loopback for the operator tests, the envtest way:
-etcd, kube-apiserver and kube-controller-manager (garbage collection) from
+etcd, kube-apiserver and kube-controller-manager (garbage collection, disruption budgets) from
 KUBEBUILDER_ASSETS (`make envtest` builds them), a kubeconfig with an admin
 token, and kubectl. No kubelets: the tests create Node objects with NUMA
 topology and advance pod status themselves."""
@@ -110,7 +110,7 @@ class ControlPlane:
         self.start("kube-controller-manager", [
             str(assets / "kube-controller-manager"), "--kubeconfig", str(self.kubeconfig),
             "--authentication-kubeconfig", str(self.kubeconfig), "--authorization-kubeconfig", str(self.kubeconfig),
-            "--controllers", "garbagecollector,namespace,serviceaccount-token",
+            "--controllers", "garbagecollector,namespace,serviceaccount-token,disruption",
             "--service-account-private-key-file", str(self.dir / "sa.key"), "--leader-elect=false",
             "--bind-address", "127.0.0.1", "--secure-port", str(free_port())])
         self.version = json.loads(self.kubectl("version", "-o", "json").stdout)["serverVersion"]["gitVersion"]

@@ -63,7 +63,8 @@ def test_chart_renders_and_validates(cluster):
     granted = {(g, res, v) for rule in role["rules"] for g in rule["apiGroups"] for res in rule["resources"]
                for v in rule["verbs"]}
     for need in [("cpuserve.dev", "cpumodelservers/status", "patch"), ("", "pods", "create"), ("", "pods", "delete"),
-                 ("", "services", "create"), ("networking.k8s.io", "ingresses", "delete"), ("", "nodes", "watch")]:
+                 ("", "services", "create"), ("networking.k8s.io", "ingresses", "delete"), ("", "nodes", "watch"),
+                 ("policy", "poddisruptionbudgets", "create")]:
         assert need in granted
     assert not any("*" in (g, res, v) for g, res, v in granted)  # nothing wildcard
 
@@ -108,6 +109,7 @@ def test_operator_works_with_the_charts_rbac(cluster):
         wait_for(lambda: cluster.get("cms", "-n", "rbac", "sa").get("status", {}).get("phase") == "Loading", 60,
                  "status written")
         assert cluster.get("svc", "-n", "rbac", "sa")["spec"]["ports"][0]["port"] == 8000
+        wait_for(lambda: cluster.get("pdb", "-n", "rbac", "sa"), 30, "pod disruption budget")
         assert cluster.get("lease", "-n", "cpuserve-system", "cpuserve-operator")["spec"]["holderIdentity"] == "op-0"
         assert any(e["reason"] == "Placed" for e in cluster.get("events", "-n", "rbac")["items"])
         text = (cluster.dir / "operator-sa.log").read_text()

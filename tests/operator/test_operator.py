@@ -77,6 +77,12 @@ def _placed_and_served(cluster):
     assert owner["kind"] == "CPUModelServer" and owner["controller"] is True
     svc = wait_for(lambda: cluster.get("svc", "-n", NS, "llm"), 30, "service")
     assert svc["spec"]["selector"] == {"cpuserve.dev/server": "llm"}
+    pdb = wait_for(lambda: cluster.get("pdb", "-n", NS, "llm"), 30, "pod disruption budget")
+    assert pdb["spec"]["maxUnavailable"] == 1 and pdb["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"]
+    assert pdb["metadata"]["ownerReferences"][0]["kind"] == "CPUModelServer"
+    # the budget counts the server's pods (the eviction API holds a drain to one of them at a time)
+    wait_for(lambda: cluster.get("pdb", "-n", NS, "llm").get("status", {}).get("expectedPods") == 3, 60,
+             "the budget counting the 3 pods")
     ing = wait_for(lambda: cluster.get("ingress", "-n", NS, "llm"), 30, "ingress")
     assert ing["spec"]["rules"][0]["host"] == "llm.example.com"
     wait_for(lambda: cms(cluster).get("status", {}).get("phase") == "Loading", 30, "phase Loading")
@@ -167,6 +173,7 @@ def _deleted_and_collected(cluster):
     except TimeoutError as e:
         raise AssertionError(f"{e}\n--- kube-controller-manager:\n{cluster.tail('kube-controller-manager', 60)}")
     wait_for(lambda: cluster.kubectl("get", "ingress", "llm", "-n", NS, check=False).returncode != 0, 60, "ingress GC")
+    wait_for(lambda: cluster.kubectl("get", "pdb", "llm", "-n", NS, check=False).returncode != 0, 60, "budget GC")
 
     def pods_gone():
         kubelet(cluster, ready=False)
@@ -220,7 +227,8 @@ def test_generated_objects_pass_server_side_validation(cluster):
                 {"model": {"source": "https://models.example.com/m.gguf", "sha256": "ab" * 32}}):
         spec = parse_spec("dry", raw)
         (pl,) = plan(spec, [machine("n")]).placements
-        for obj in (b.build_pod(cr, spec, pl), b.build_service(cr, spec), b.build_ingress(cr, spec)):
+        for obj in (b.build_pod(cr, spec, pl), b.build_service(cr, spec), b.build_ingress(cr, spec),
+                    b.build_pdb(cr, spec)):
             if obj is None:
                 continue
             r = cluster.kubectl("create", "--dry-run=server", "--validate=strict", "-f", "-", input=json.dumps(obj),

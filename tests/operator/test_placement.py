@@ -290,6 +290,10 @@ def test_service_and_ingress():
     assert ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"] == {"name": "llm",
                                                                                "port": {"number": 8000}}
     assert b.endpoint(CR, s) == "https://llm.example.com/v1"
+    pdb = b.build_pdb(CR, s)
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": svc["spec"]["selector"]},
+                           "unhealthyPodEvictionPolicy": "AlwaysAllow"}
+    assert pdb["metadata"]["ownerReferences"][0]["uid"] == "1234"
 
 
 def test_an_ingress_prefix_is_the_engines_root_path():

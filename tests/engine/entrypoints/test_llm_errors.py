@@ -71,7 +71,7 @@ def test_request_errors_leave_the_engine_usable(tokenizer):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-5), "top_k"),
     (dict(min_p=1.5), "min_p"), (dict(n=0), "n must"), (dict(max_tokens=0), "max_tokens"),
-    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=50), "logprobs"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(logprobs=-1), "logprobs"),
     (dict(stop=[""]), "stop"), (dict(presence_penalty=3), "presence_penalty"),
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(logit_bias={1: 500}), "logit_bias"),
 ])

@@ -321,33 +321,33 @@ def _delete_pod(core, ns, name, force=False) -> None:
             raise
 
 
-def _apply_service(core, ns, body) -> None:
+def _apply(read, create, patch, ns, body, differs) -> None:
+    """Creates the object, or patches its spec where differs(existing spec, wanted spec): an
+    operator at rest writes nothing."""
+    name = body["metadata"]["name"]
     try:
-        existing = core.read_namespaced_service(body["metadata"]["name"], ns)
+        existing = read(name, ns)
     except ApiException as e:
         if e.status != 404:
             raise
-        _create(core.create_namespaced_service, ns, body)
+        _create(create, ns, body)
         return
-    if (existing.spec.type != body["spec"]["type"] or existing.spec.ports[0].port != body["spec"]["ports"][0]["port"]
-            or existing.spec.selector != body["spec"]["selector"]):
-        core.patch_namespaced_service(body["metadata"]["name"], ns, {"spec": body["spec"]})
+    if differs(existing.spec, body["spec"]):
+        patch(name, ns, {"spec": body["spec"]})
+
+
+def _apply_service(core, ns, body) -> None:
+    _apply(core.read_namespaced_service, core.create_namespaced_service, core.patch_namespaced_service, ns, body,
+           lambda have, want: (have.type != want["type"] or have.ports[0].port != want["ports"][0]["port"]
+                               or have.selector != want["selector"]))
 
 
 def _apply_pdb(policy, ns, body) -> None:
-    """Created once, patched only where its spec differs (an operator at rest writes nothing)."""
-    try:
-        existing = policy.read_namespaced_pod_disruption_budget(body["metadata"]["name"], ns)
-    except ApiException as e:
-        if e.status != 404:
-            raise
-        _create(policy.create_namespaced_pod_disruption_budget, ns, body)
-        return
-    want = body["spec"]
-    if (existing.spec.max_unavailable != want["maxUnavailable"]
-            or existing.spec.selector.match_labels != want["selector"]["matchLabels"]
-            or existing.spec.unhealthy_pod_eviction_policy != want["unhealthyPodEvictionPolicy"]):
-        policy.patch_namespaced_pod_disruption_budget(body["metadata"]["name"], ns, {"spec": want})
+    _apply(policy.read_namespaced_pod_disruption_budget, policy.create_namespaced_pod_disruption_budget,
+           policy.patch_namespaced_pod_disruption_budget, ns, body,
+           lambda have, want: (have.max_unavailable != want["maxUnavailable"]
+                               or have.selector.match_labels != want["selector"]["matchLabels"]
+                               or have.unhealthy_pod_eviction_policy != want["unhealthyPodEvictionPolicy"]))
 
 
 def _apply_ingress(net, ns, name, body) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable
 
 from fastapi import Request
@@ -16,6 +16,7 @@ from cpuserve.core.generation_config import SamplingDefaults
 from cpuserve.core.sampling_params import SamplingParams
 from cpuserve.engine.async_engine import AsyncEngine, EngineDeadError, Overloaded, RequestRejected
 from cpuserve.engine.outputs import RequestOutput
+from cpuserve.entrypoints.openai import tools as tl
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.metrics import Metrics, RequestTimer
 from cpuserve.entrypoints.openai.streaming import first_then_rest, merge
@@ -113,6 +114,21 @@ async def constraint(req) -> GrammarSpec | None:
         if msg:
             raise APIError(400, f"invalid output constraint: {msg}", param=_field_of(req))
     return spec
+
+
+async def output_constraint(req, st: ServerState, tools, mode: str, field: str) -> GrammarSpec | None:
+    """What a chat or Responses answer is held to: the request's own format (`field`: the name it
+    goes by in that API) or the grammar of an enforced tool call, never both (a 400); with a
+    reasoning parser, only after the model's free reasoning block, as vLLM constrains the answer."""
+    spec = await constraint(req)
+    enforced = tl.constraint(tools, mode, req.parallel_tool_calls is not False)
+    if enforced is not None and spec is not None:
+        raise APIError(400, f"{field} cannot be combined with tool_choice 'required' or a named function (the "
+                       "tool call's schema is the constraint)", param="tool_choice")
+    structured = spec or enforced
+    if structured is not None and st.reasoning_parser:
+        structured = replace(structured, after_reasoning=st.reasoning_parser)
+    return structured
 
 
 def _field_of(req) -> str:

@@ -61,6 +61,8 @@ def test_text_format_constrains_the_answer(client):
     ({"tools": [{"type": "function", "name": "bad name!"}]}, "tools"),
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "mcp"}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": "required",
+      "text": {"format": {"type": "json_object"}}}, "tool_choice"),
     ({"background": True}, "background"),
     ({"input": []}, "input"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),

@@ -3,7 +3,6 @@ and tool calls (tools.py) found by the server's parser or enforced by the gramma
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 
 from fastapi import APIRouter, Request
 
@@ -14,7 +13,7 @@ from cpuserve.entrypoints.openai import reasoning as rs
 from cpuserve.entrypoints.openai import tools as tl
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import ChatCompletionRequest, now, usage
-from cpuserve.entrypoints.openai.serving import (ServerState, constraint, generate, prompt_logprobs_json,
+from cpuserve.entrypoints.openai.serving import (ServerState, generate, output_constraint, prompt_logprobs_json,
                                                   rendered, sampling_params, server_state, truncated)
 from cpuserve.entrypoints.openai.streaming import DeltaTracker, sse
 
@@ -32,14 +31,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if max_tokens is None:
         max_tokens = max(1, st.engine.info.max_model_len - len(ids))
     top = req.top_logprobs if req.top_logprobs is not None else 0
-    spec = await constraint(req)
-    enforced = tl.constraint(req.tools, mode, req.parallel_tool_calls is not False)
-    if enforced is not None and spec is not None:
-        raise APIError(400, "response_format and guided_* cannot be combined with tool_choice 'required' or a "
-                       "named function (the tool call's schema is the constraint)", param="tool_choice")
-    structured = spec or enforced
-    if structured is not None and st.reasoning_parser:  # free reasoning first, as vLLM constrains the answer
-        structured = replace(structured, after_reasoning=st.reasoning_parser)
+    structured = await output_constraint(req, st, req.tools, mode, "response_format and guided_*")
     params = sampling_params(req.sampling_params, max_tokens, top if req.logprobs else None, structured,
                              defaults=st.defaults)
     view = ChatView(st, req, params, top, len(ids), mode)

@@ -18,7 +18,7 @@ from cpuserve.engine.async_engine import EngineDeadError, Overloaded, RequestRej
 from cpuserve.entrypoints.openai import links
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import RequestBody
-from cpuserve.entrypoints.openai.serving import api_error, server_state
+from cpuserve.entrypoints.openai.serving import ServerState, api_error, server_state
 
 router = APIRouter()
 MAX_INPUTS = 2048
@@ -38,16 +38,22 @@ async def embeddings(req: EmbeddingRequest, request: Request):
     st.check_model(req.model, task="embed")
     inputs = await asyncio.to_thread(tokenize_inputs, req.input, st.tokenizer)
     dims = check_dimensions(req.dimensions, st.engine.info.model_dir)
-    base = f"{request.state.request_id}-{uuid.uuid4().hex[:8]}"
-    try:
-        outs = await asyncio.gather(*(st.engine.embed(f"{base}-{i}", ids) for i, ids in enumerate(inputs)))
-    except (RequestRejected, Overloaded, EngineDeadError) as e:
-        raise api_error(e, "input") from None
+    outs = await embed_all(st, request, inputs, "input")
     data = [{"object": "embedding", "index": i, "embedding": encode(truncate(o.embedding, dims), req.encoding_format)}
             for i, o in enumerate(outs)]
     n = sum(o.num_tokens for o in outs)
     return {"object": "list", "data": data, "model": st.served_model_name,
             "usage": {"prompt_tokens": n, "total_tokens": n}}
+
+
+async def embed_all(st: ServerState, request: Request, inputs: list[list[int]], param: str) -> list:
+    """One engine request per input, all in flight at once (the core batches them); the outputs in
+    the inputs' order, an engine refusal as the HTTP error that names `param`."""
+    base = f"{request.state.request_id}-{uuid.uuid4().hex[:8]}"
+    try:
+        return await asyncio.gather(*(st.engine.embed(f"{base}-{i}", ids) for i, ids in enumerate(inputs)))
+    except (RequestRejected, Overloaded, EngineDeadError) as e:
+        raise api_error(e, param) from None
 
 
 def tokenize_inputs(inp, tok) -> list[list[int]]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import replace
 
 from fastapi import APIRouter, Request
 
@@ -17,7 +16,7 @@ from cpuserve.entrypoints.openai import reasoning as rs
 from cpuserve.entrypoints.openai import tools as tl
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import ResponsesRequest, now
-from cpuserve.entrypoints.openai.serving import (ServerState, constraint, generate, rendered, sampling_params,
+from cpuserve.entrypoints.openai.serving import (ServerState, generate, output_constraint, rendered, sampling_params,
                                                   server_state)
 from cpuserve.entrypoints.openai.streaming import DeltaTracker
 
@@ -33,14 +32,7 @@ async def responses(req: ResponsesRequest, request: Request):
         raise APIError(400, refused[0], param=refused[1])
     tools, mode = function_tools(req, st)
     ids = await asyncio.to_thread(render_input, req, st.tokenizer, tools)  # off the event loop
-    spec = await constraint(req)
-    enforced = tl.constraint(tools, mode, req.parallel_tool_calls is not False)
-    if enforced is not None and spec is not None:
-        raise APIError(400, "text.format cannot be combined with tool_choice 'required' or a named function (the "
-                       "call's schema is the constraint)", param="tool_choice")
-    structured = spec or enforced
-    if structured is not None and st.reasoning_parser:  # as chat: free reasoning first
-        structured = replace(structured, after_reasoning=st.reasoning_parser)
+    structured = await output_constraint(req, st, tools, mode, "text.format")
     params = sampling_params(req.sampling_params, max(1, st.engine.info.max_model_len - len(ids)), structured,
                              st.defaults)
     view = ResponseView(st, req, params, len(ids), mode)

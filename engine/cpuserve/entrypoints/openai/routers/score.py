@@ -5,16 +5,14 @@ engine request, batched by the core with the others."""
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 from fastapi import APIRouter, Request
 from pydantic import Field
 
-from cpuserve.engine.async_engine import EngineDeadError, Overloaded, RequestRejected
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import RequestBody, now
-from cpuserve.entrypoints.openai.routers.embeddings import MAX_INPUTS
-from cpuserve.entrypoints.openai.serving import ServerState, api_error, server_state
+from cpuserve.entrypoints.openai.routers.embeddings import MAX_INPUTS, embed_all
+from cpuserve.entrypoints.openai.serving import ServerState, server_state
 from cpuserve.entrypoints.scoring import PairingError, cosine, pairs, ranked
 
 router = APIRouter()
@@ -42,11 +40,7 @@ async def embed_texts(st: ServerState, request: Request, texts: list[str], param
     ids = await asyncio.to_thread(lambda: [st.tokenizer.encode(t) for t in distinct])
     if any(not x for x in ids):
         raise APIError(400, "a text is empty", param=param)
-    base = f"{request.state.request_id}-{uuid.uuid4().hex[:8]}"
-    try:
-        outs = await asyncio.gather(*(st.engine.embed(f"{base}-{i}", x) for i, x in enumerate(ids)))
-    except (RequestRejected, Overloaded, EngineDeadError) as e:
-        raise api_error(e, param) from None
+    outs = await embed_all(st, request, ids, param)
     return {t: (o.embedding, o.num_tokens) for t, o in zip(distinct, outs)}
 
 

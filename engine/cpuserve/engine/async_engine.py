@@ -46,7 +46,7 @@ class ModelInfo:
     load_seconds: float
     pid: int
     binding: list = field(default_factory=list)  # per rank: cpus, memoryNode, membind (GET /topology)
-    task: str = "generate"                       # or "embed": a pooling model (POST /v1/embeddings)
+    task: str = "generate"  # or "embed": a pooling model (POST /v1/embeddings); "classify": a classifier
 
 
 class Mailbox:
@@ -217,8 +217,10 @@ class AsyncEngine:
                 if not self.dead:
                     await self._send(cp.ABORT, request_id)
 
-    async def embed(self, request_id: str, prompt_token_ids: list[int]) -> EmbeddingOutput:
-        """One input's embedding from a pooling model (the core batches concurrent ones)."""
+    async def embed(self, request_id: str, prompt_token_ids: list[int],
+                    token_type_ids: list[int] | None = None) -> EmbeddingOutput:
+        """One input's embedding from a pooling model, or a classifier's logits (the core batches
+        concurrent ones); `token_type_ids`: a cross-encoder's pair segments (0, then 1)."""
         self._admit(request_id)
         n, limit = len(prompt_token_ids), self.info.max_model_len
         if n > limit:
@@ -227,7 +229,7 @@ class AsyncEngine:
         self._queues[request_id] = q
         done = False
         try:
-            await self._send(cp.ADD, request_id, prompt_token_ids, None, time.monotonic())
+            await self._send(cp.ADD, request_id, prompt_token_ids, token_type_ids, time.monotonic())
             self._unscheduled += 1
             item = await q.get()
             if isinstance(item, Exception):

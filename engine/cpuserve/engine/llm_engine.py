@@ -10,6 +10,14 @@ from cpuserve.core.generation_config import sampling_defaults
 from cpuserve.loading.tokenizer import load_tokenizer
 
 
+_IS = {"embed": "an embedding model: use LLM.embed or LLM.score",
+       "classify": "a classification model (a cross-encoder): use LLM.classify or LLM.score"}
+_NOT_FOR = {"embed": "is not an embedding model: embeddings need one such as all-MiniLM-L6-v2, or a causal LM "
+                     "with runner='pooling'",
+            "classify": "is not a classification model: LLM.classify needs a *ForSequenceClassification "
+                        "checkpoint (a cross-encoder such as ms-marco-MiniLM-L-6-v2)"}
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -34,7 +42,7 @@ class LLMEngine:
                     final_only: bool = False) -> None:
         """final_only: step() returns the request's output only once it finished (OutputProcessor)."""
         if self.task != "generate":
-            raise ValueError(f"{self.core.runner.model_dir} is an embedding model: use LLM.embed")
+            raise ValueError(f"{self.core.runner.model_dir} is {_IS[self.task]}")
         params = params or self.defaults.as_sampling_params()
         text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
         self.core.add_request(request_id, ids, params)
@@ -55,18 +63,22 @@ class LLMEngine:
 
     def embed(self, prompts: list[str | list[int]]) -> list[EmbeddingOutput]:
         """Embeddings of an embedding model, in the order given (batched by the core)."""
-        if self.task != "embed":
-            raise ValueError(f"{self.core.runner.model_dir} is a generative model: embeddings need an "
-                             "embedding model such as all-MiniLM-L6-v2, or this one with runner='pooling'")
-        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        for x in ids:  # all checked before any is queued: a refusal leaves nothing behind
-            self.core.validate(x)
-        for i, x in enumerate(ids):
-            self.core.add_request(str(i), x)
+        return self.pool([(self.tokenizer.encode(p) if isinstance(p, str) else list(p), None) for p in prompts],
+                         "embed")
+
+    def pool(self, inputs: list[tuple[list[int], list[int] | None]], task: str) -> list[EmbeddingOutput]:
+        """A pooling model's outputs for (token ids, token type ids or None), in the order given,
+        batched by the core: embeddings (task "embed") or a classifier's logits ("classify")."""
+        if self.task != task:
+            raise ValueError(f"{self.core.runner.model_dir} {_NOT_FOR[task]}")
+        for ids, types in inputs:  # all checked before any is queued: a refusal leaves nothing behind
+            self.core.validate(ids, types)
+        for i, (ids, types) in enumerate(inputs):
+            self.core.add_request(str(i), ids, types)
         got: dict[str, EmbeddingOutput] = {}
         while self.core.has_unfinished():
             got.update((o.request_id, o) for o in self.core.step())
-        return [got[str(i)] for i in range(len(ids))]
+        return [got[str(i)] for i in range(len(inputs))]
 
     def prefix_cache_stats(self) -> dict[str, int]:
         return {"queries": self.core.block_manager.prefix_queries, "hits": self.core.block_manager.prefix_hits}

@@ -5,6 +5,8 @@
     outs = llm.chat([{"role": "user", "content": "Hi!"}])
     vecs = LLM("all-MiniLM-L6-v2").embed(["Hello"])   # an embedding model
     sims = LLM("all-MiniLM-L6-v2").score("Hello", ["Hi", "Bye"])  # cosine similarities: [o.outputs.score ...]
+    LLM(cross_encoder_dir).score(query, docs)   # a cross-encoder's relevance scores
+    LLM(classifier_dir).classify(["Great!"])    # class probabilities: [o.outputs.probs ...]
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from cpuserve.config import EngineConfig
 from cpuserve.engine.llm_engine import LLMEngine
 from cpuserve.engine.outputs import EmbeddingOutput, RequestOutput, logprob_entry
 from cpuserve.core.sampling_params import SamplingParams
-from cpuserve.entrypoints.scoring import ScoringOutput, ScoringRequestOutput, cosine, pairs
+from cpuserve.entrypoints.scoring import (ClassificationOutput, ClassificationRequestOutput, ClassifierHead,
+                                         ScoringOutput, ScoringRequestOutput, cosine, pairs)
 from cpuserve.loading.tokenizer import apply_chat_template
 
 PromptType = str | list[int] | dict
@@ -43,16 +46,38 @@ class LLM:
             prompts = [prompts]
         return self.engine.embed(list(prompts))
 
+    def classify(self, prompts: str | list[int] | Seq[str | list[int]]) -> list[ClassificationRequestOutput]:
+        """vLLM's LLM.classify on a classification model: each prompt's class probabilities
+        (`.outputs.probs`, softmax over the labels or sigmoid where the model says so)."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        tok = self.engine.tokenizer
+        ids = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        outs = self.engine.pool([(x, None) for x in ids], "classify")
+        head = ClassifierHead.from_dir(self.engine.core.runner.model_dir)
+        return [ClassificationRequestOutput(f"classify-{next(self._ids)}", ClassificationOutput(head.probs(o.embedding)),
+                                            x) for x, o in zip(ids, outs)]
+
     def score(self, text_1: str | list[str], text_2: str | list[str]) -> list[ScoringRequestOutput]:
-        """vLLM's LLM.score on an embedding model: each pair's cosine similarity (`.outputs.score`),
-        one text against each of a list or two lists item by item; each distinct text embedded once."""
+        """vLLM's LLM.score (`.outputs.score`), one text against each of a list or two lists item by
+        item: on an embedding model each pair's cosine similarity, each distinct text embedded once;
+        on a cross-encoder the classifier's score of the two texts read together."""
         todo = pairs(text_1, text_2)
+        if self.engine.task == "classify":
+            return self._cross_scores(todo)
         tok = self.engine.tokenizer
         ids = {t: tok.encode(t) for p in todo for t in p}
         vecs = dict(zip(ids, self.engine.embed(list(ids.values()))))
         return [ScoringRequestOutput(f"score-{next(self._ids)}", ScoringOutput(cosine(vecs[a].embedding,
                                                                                     vecs[b].embedding)),
                                      ids[a] + ids[b]) for a, b in todo]
+
+    def _cross_scores(self, todo: list[tuple[str, str]]) -> list[ScoringRequestOutput]:
+        encoded = [self.engine.tokenizer.encode_pair(a, b) for a, b in todo]
+        head = ClassifierHead.from_dir(self.engine.core.runner.model_dir)
+        outs = self.engine.pool(encoded, "classify")
+        return [ScoringRequestOutput(f"score-{next(self._ids)}", ScoringOutput(head.score(o.embedding)), ids)
+                for (ids, _), o in zip(encoded, outs)]
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

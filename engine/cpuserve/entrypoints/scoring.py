@@ -1,10 +1,14 @@
-"""Scores of text pairs on an embedding model, as vLLM scores with a bi-encoder: the cosine
-similarity of the two texts' embeddings. Pure: the server's /v1/score and /v1/rerank and the
-offline LLM.score share it."""
+"""Scores of text pairs and a classifier's probabilities, as vLLM computes them: on an embedding
+model (a bi-encoder) a pair's score is the cosine similarity of the two texts' embeddings; on a
+classification model (a cross-encoder, which reads the pair as one input) it is the classifier's
+one logit through the model's activation. Pure: the server's /v1/score, /v1/rerank and /classify
+and the offline LLM.score and LLM.classify share it."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 
 class PairingError(ValueError):
@@ -36,6 +40,76 @@ def ranked(scores: list[float], top_n: int = 0) -> list[int]:
     """Indices, best score first (ties in their order), the first top_n (0: all)."""
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
     return order[:top_n] if top_n else order
+
+
+_ACTIVATIONS = {"Sigmoid": "sigmoid", "Softmax": "softmax", "Identity": "identity", "Tanh": "tanh"}
+
+
+@dataclass(frozen=True)
+class ClassifierHead:
+    """A classification model's labels and the activations that turn its logits into /classify's
+    probabilities and a cross-encoder's score, as vLLM reads them from config.json: softmax over
+    several labels, sigmoid over one or where problem_type is multi-label; a score takes
+    sentence-transformers' activation_fn where the model names one (some rerankers' is Identity)."""
+    labels: tuple[str, ...]
+    activation: str        # sigmoid | softmax
+    score_activation: str  # sigmoid | softmax | identity | tanh
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "ClassifierHead":
+        names = cfg.get("id2label") or {"0": "LABEL_0"}
+        labels = tuple(str(names[k]) for k in sorted(names, key=int))
+        multi = len(labels) == 1 or cfg.get("problem_type") == "multi_label_classification"
+        activation = "sigmoid" if multi else "softmax"
+        st = (cfg.get("sentence_transformers") or {}).get("activation_fn") or \
+            cfg.get("sbert_ce_default_activation_function") or ""
+        score = next((v for k, v in _ACTIVATIONS.items() if st.endswith("." + k)), activation)
+        return cls(labels, activation, score)
+
+    @classmethod
+    def from_dir(cls, model_dir) -> "ClassifierHead":
+        return cls.from_config(json.loads((Path(model_dir) / "config.json").read_text()))
+
+    def probs(self, logits: list[float]) -> list[float]:
+        return activate(logits, self.activation)
+
+    def label(self, logits: list[float]) -> str:
+        return self.labels[max(range(len(logits)), key=lambda i: logits[i])]
+
+    def score(self, logits: list[float]) -> float:
+        """A pair's score: a cross-encoder's one output, activated."""
+        if len(logits) != 1:
+            raise PairingError(f"scoring needs a cross-encoder with one output; this classifier has {len(logits)} "
+                               "labels (use /classify)", "model")
+        return activate(logits, self.score_activation)[0]
+
+
+def activate(logits: list[float], how: str) -> list[float]:
+    if how == "softmax":
+        top = max(logits)
+        e = [math.exp(x - top) for x in logits]
+        return [x / sum(e) for x in e]
+    f = {"sigmoid": lambda x: 1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x)),
+         "tanh": math.tanh, "identity": lambda x: x}[how]
+    return [f(x) for x in logits]
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """vLLM's offline classification result: `.outputs.probs`, and the input's token ids."""
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
 
 
 @dataclass

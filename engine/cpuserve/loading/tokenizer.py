@@ -79,6 +79,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        """Two texts as one input through the tokenizer's pair template ([CLS] a [SEP] b [SEP]
+        for BERT): the ids and their token type ids (segment 0, then 1), as a cross-encoder reads them."""
+        enc = self._tok.encode(first, second)
+        return enc.ids, enc.type_ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         text = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
         return _clean_up_spaces(text) if self.clean_up_spaces else text

@@ -1,5 +1,6 @@
-"""The runners of an embedding model, no sampler and no generation KV cache:
-- an encoder (BERT) run over whole sequences;
+"""The runners of an embedding or classification model, no sampler and no generation KV cache:
+- an encoder (BERT, RoBERTa) run over whole sequences: pooled into embeddings, or a
+  cross-encoder's classifier logits;
 - a causal LM run as one (vLLM's `--runner pooling`): each batch is prefilled into a scratch
   cache of its own and pooled, by default from its last token.
 Both bind their threads as a generation runner does."""
@@ -63,20 +64,25 @@ class EncoderRunner:
                 self.hf_config, Weights(load_state_dict(self.model_dir, self.quantization)), self.dtype)
         release_free_heap()  # the load's freed temporaries go back to the kernel, as ModelRunner's
         self.idle_work = IdleWork(arena.collapser())
+        self.task = "classify" if hasattr(self.model, "classify") else "embed"
         self.pooling = Pooling.from_dir(self.model_dir, decoder=False)
         limits = [self.model.max_positions, self.pooling.max_len, config.max_model_len]
         self.max_model_len = min(n for n in limits if n)
         self.vocab_size, self.num_blocks = self.model.vocab_size, 0  # no generation KV cache
         self.load_seconds = time.perf_counter() - t0
-        _log_loaded(self.model_dir, self.pooling, self.max_model_len, self.load_seconds)
+        _log_loaded(self.model_dir, self.pooling if self.task == "embed" else None, self.max_model_len,
+                    self.load_seconds)
 
     def fits(self, lengths: list[int]) -> bool:
         """(an encoder keeps no cache: the core's token budget is the only bound)"""
         return True
 
     @torch.inference_mode()
-    def embed(self, batch: list[list[int]]) -> list[list[float]]:
-        states = self.model.encode(batch)
+    def embed(self, batch: list[list[int]], types: list[list[int] | None] | None = None) -> list[list[float]]:
+        """Each sequence's pooled embedding, or a classifier's logits; `types`: token type ids."""
+        if self.task == "classify":
+            return [v.tolist() for v in self.model.classify(batch, types)]
+        states = self.model.encode(batch, types)
         return [v.tolist() for v in self.pooling(states, [len(ids) for ids in batch])]
 
     def check_ranks(self) -> None:
@@ -102,6 +108,7 @@ class DecoderPoolingRunner:
         self.pooling = Pooling.from_dir(model_dir, decoder=True)
         self.max_model_len = min(n for n in (longest, self.pooling.max_len) if n)
         self.vocab_size, self.num_blocks = self.runner.vocab_size, 0  # (its scratch cache is not for generation)
+        self.task = "embed"
         self.dtype, self.binding = self.runner.dtype, self.runner.binding
         self.idle_work = self.runner.idle_work
         self.load_seconds = time.perf_counter() - t0
@@ -111,7 +118,8 @@ class DecoderPoolingRunner:
         return blocks_for(lengths, self.BLOCK) <= self.runner.num_blocks
 
     @torch.inference_mode()
-    def embed(self, batch: list[list[int]]) -> list[list[float]]:
+    def embed(self, batch: list[list[int]], types=None) -> list[list[float]]:
+        """(a causal LM has no token types: `types` is None)"""
         states = self.runner.hidden_states(batch).float()
         return [v.tolist() for v in self.pooling(states, [len(ids) for ids in batch])]
 
@@ -119,6 +127,7 @@ class DecoderPoolingRunner:
         """(one rank: nothing to watch)"""
 
 
-def _log_loaded(model_dir, pooling: Pooling, max_len: int, seconds: float) -> None:
-    log.info("embedding model %s: %s pooling%s, up to %d tokens, loaded in %.1fs", model_dir, pooling.mode,
-             " + L2 normalization" if pooling.normalize else "", max_len, seconds)
+def _log_loaded(model_dir, pooling: Pooling | None, max_len: int, seconds: float) -> None:
+    how = ("a classifier" if pooling is None else
+           f"embedding model, {pooling.mode} pooling{' + L2 normalization' if pooling.normalize else ''}")
+    log.info("%s: %s, up to %d tokens, loaded in %.1fs", model_dir, how, max_len, seconds)

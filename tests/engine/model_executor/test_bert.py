@@ -85,5 +85,5 @@ def test_offline_llm_embed_equals_the_model_and_refuses_generation(minilm):
 
 
 def test_a_generative_model_has_no_embeddings(llm_f32):
-    with pytest.raises(ValueError, match="generative model"):
+    with pytest.raises(ValueError, match="is not an embedding model"):
         llm_f32.engine.embed(["Hello"])

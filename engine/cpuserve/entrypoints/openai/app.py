@@ -17,15 +17,15 @@ import cpuserve
 from cpuserve.engine.async_engine import AsyncEngine
 from cpuserve.entrypoints.openai.errors import error_response, install_error_handlers
 from cpuserve.entrypoints.openai.metrics import Metrics
-from cpuserve.entrypoints.openai.routers import (chat, completions, embeddings, health, models, responses, score,
-                                                 tokenize)
+from cpuserve.entrypoints.openai.routers import (chat, classify, completions, embeddings, health, models, responses,
+                                                 score, tokenize)
 from cpuserve.entrypoints.openai.serving import ServerState
 from cpuserve.entrypoints.serve import ServeOptions
 
 log = logging.getLogger("cpuserve.api")
 
 ROUTERS = (models.router, completions.router, chat.router, responses.router, embeddings.router, score.router,
-           tokenize.router, health.router)
+           classify.router, tokenize.router, health.router)
 # Answered while the model loads (everything else gets 503 until it is ready).
 SERVED_WHILE_LOADING = ("/version", "/openapi.json", "/docs", "/metrics")
 # Answered without the API key: the probes, the scrape, the docs. vLLM asks for the key on /v1 alone,

@@ -76,18 +76,25 @@ class ServerState:
     def tokenizer(self):
         return self.engine.tokenizer  # set once the engine core is ready
 
-    def check_model(self, name: str | None, task: str | None = "generate") -> None:
-        """404 for another model's name; 400 for a route the model's task does not serve (None: any)."""
+    def check_model(self, name: str | None, task: str | tuple[str, ...] | None = "generate") -> None:
+        """404 for another model's name; 400 for a route the model's task (or tasks) does not serve
+        (None: any)."""
         if name not in (None, "", self.served_model_name, *self.aliases):
             served = ", ".join(f"`{n}`" for n in (self.served_model_name, *self.aliases))
             raise APIError(404, f"the model `{name}` does not exist (served: {served})",
                            "not_found_error", "model")
-        served = self.engine.info.task if self.engine.info is not None else task
-        if task is not None and served != task:
-            what = {"embed": "an embedding model: use POST /v1/embeddings",
-                    "generate": "a generative model: POST /v1/embeddings serves embedding models, such as "
-                                "all-MiniLM-L6-v2, or a causal LM started with `--runner pooling`"}[served]
-            raise APIError(400, f"`{self.served_model_name}` is {what}", param="model")
+        tasks = (task,) if isinstance(task, str) else task
+        served = self.engine.info.task if self.engine.info is not None else tasks[0] if tasks else None
+        if tasks is not None and served not in tasks:
+            raise APIError(400, f"`{self.served_model_name}` is {_SERVES[served]}", param="model")
+
+
+_SERVES = {"embed": "an embedding model: it serves POST /v1/embeddings, /v1/score and /v1/rerank",
+           "classify": "a classification model (a cross-encoder): it serves POST /classify, /v1/score and "
+                       "/v1/rerank",
+           "generate": "a generative model: POST /v1/embeddings serves embedding models, such as "
+                       "all-MiniLM-L6-v2, or a causal LM started with `--runner pooling`; /classify serves "
+                       "*ForSequenceClassification checkpoints"}
 
 
 def server_state(request: Request) -> ServerState:

@@ -13,6 +13,11 @@ _REGISTRY = {
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "BertModel": ("bert", "BertModel"),
+    "RobertaModel": ("bert", "RobertaModel"),
+    "XLMRobertaModel": ("bert", "RobertaModel"),
+    "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
+    "RobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
+    "XLMRobertaForSequenceClassification": ("bert", "RobertaForSequenceClassification"),
 }
 
 

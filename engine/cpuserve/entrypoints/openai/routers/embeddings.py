@@ -19,6 +19,7 @@ from cpuserve.entrypoints.openai import links
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import RequestBody
 from cpuserve.entrypoints.openai.serving import ServerState, api_error, server_state
+from cpuserve.entrypoints.scoring import ClassifierHead
 
 router = APIRouter()
 MAX_INPUTS = 2048
@@ -46,12 +47,16 @@ async def embeddings(req: EmbeddingRequest, request: Request):
             "usage": {"prompt_tokens": n, "total_tokens": n}}
 
 
-async def embed_all(st: ServerState, request: Request, inputs: list[list[int]], param: str) -> list:
-    """One engine request per input, all in flight at once (the core batches them); the outputs in
-    the inputs' order, an engine refusal as the HTTP error that names `param`."""
+async def embed_all(st: ServerState, request: Request, inputs: list[list[int]], param: str,
+                    types: list[list[int]] | None = None) -> list:
+    """One engine request per input (`types`: each one's token type ids), all in flight at once
+    (the core batches them); the outputs (embeddings, or a classifier's logits) in the inputs'
+    order, an engine refusal as the HTTP error that names `param`."""
     base = f"{request.state.request_id}-{uuid.uuid4().hex[:8]}"
+    kinds = types or [None] * len(inputs)
     try:
-        return await asyncio.gather(*(st.engine.embed(f"{base}-{i}", ids) for i, ids in enumerate(inputs)))
+        return await asyncio.gather(*(st.engine.embed(f"{base}-{i}", ids, t)
+                                      for i, (ids, t) in enumerate(zip(inputs, kinds))))
     except (RequestRejected, Overloaded, EngineDeadError) as e:
         raise api_error(e, param) from None
 
@@ -69,6 +74,12 @@ def tokenize_inputs(inp, tok) -> list[list[int]]:
     if any(not ids for ids in out):
         raise APIError(400, "an input is empty", param="input")
     return out
+
+
+@lru_cache(maxsize=4)
+def classifier_head(model_dir: str) -> ClassifierHead:
+    """The served classifier's labels and activations (its config.json, read once)."""
+    return ClassifierHead.from_dir(model_dir)
 
 
 @lru_cache(maxsize=4)

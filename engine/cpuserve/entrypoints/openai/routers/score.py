@@ -1,7 +1,11 @@
 """POST /v1/score and /v1/rerank (vLLM's, the rerank one in Jina's and Cohere's shape, also at
-/rerank and /v2/rerank) on an embedding model: a pair's score is the cosine similarity of its two
-texts' embeddings, as vLLM scores with a bi-encoder. Each distinct text is embedded once, as one
-engine request, batched by the core with the others."""
+/rerank and /v2/rerank), as vLLM scores:
+- on an embedding model (a bi-encoder) a pair's score is the cosine similarity of its two texts'
+  embeddings, each distinct text embedded once, as one engine request;
+- on a classification model (a cross-encoder) the two texts are read together, one engine
+  request a pair through the tokenizer's pair template, and the score is its one logit through
+  the model's activation (sigmoid unless it names another).
+The core batches the requests with the others."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +15,7 @@ from pydantic import Field
 
 from cpuserve.entrypoints.openai.errors import APIError
 from cpuserve.entrypoints.openai.protocol import RequestBody, now
-from cpuserve.entrypoints.openai.routers.embeddings import MAX_INPUTS, embed_all
+from cpuserve.entrypoints.openai.routers.embeddings import MAX_INPUTS, classifier_head, embed_all
 from cpuserve.entrypoints.openai.serving import ServerState, server_state
 from cpuserve.entrypoints.scoring import PairingError, cosine, pairs, ranked
 
@@ -44,18 +48,34 @@ async def embed_texts(st: ServerState, request: Request, texts: list[str], param
     return {t: (o.embedding, o.num_tokens) for t, o in zip(distinct, outs)}
 
 
+async def pair_scores(st: ServerState, request: Request, todo: list[tuple[str, str]],
+                      param: str) -> tuple[list[float], int]:
+    """Each pair's score and the tokens read in all, by the served model's kind."""
+    if st.engine.info.task == "classify":
+        if len(todo) > MAX_INPUTS:
+            raise APIError(400, f"at most {MAX_INPUTS} pairs, got {len(todo)}", param=param)
+        encoded = await asyncio.to_thread(lambda: [st.tokenizer.encode_pair(a, b) for a, b in todo])
+        head = classifier_head(st.engine.info.model_dir)
+        outs = await embed_all(st, request, [ids for ids, _ in encoded], param, [t for _, t in encoded])
+        try:
+            return [head.score(o.embedding) for o in outs], sum(o.num_tokens for o in outs)
+        except PairingError as e:
+            raise APIError(400, str(e), param=e.param) from None
+    got = await embed_texts(st, request, [t for p in todo for t in p], param)
+    return [cosine(got[a][0], got[b][0]) for a, b in todo], sum(got[a][1] + got[b][1] for a, b in todo)
+
+
 @router.post("/v1/score", operation_id="score")
 @router.post("/score", operation_id="score_root", include_in_schema=False)
 async def score(req: ScoreRequest, request: Request):
     st = server_state(request)
-    st.check_model(req.model, task="embed")
+    st.check_model(req.model, task=("embed", "classify"))
     try:
         todo = pairs(req.text_1, req.text_2)
     except PairingError as e:
         raise APIError(400, str(e), param=e.param) from None
-    got = await embed_texts(st, request, [t for p in todo for t in p], "text_1")
-    data = [{"index": i, "object": "score", "score": cosine(got[a][0], got[b][0])} for i, (a, b) in enumerate(todo)]
-    n = sum(got[a][1] + got[b][1] for a, b in todo)
+    scores, n = await pair_scores(st, request, todo, "text_1")
+    data = [{"index": i, "object": "score", "score": x} for i, x in enumerate(scores)]
     return {"id": f"score-{request.state.request_id}", "object": "list", "created": now(),
             "model": st.served_model_name, "data": data, "usage": {"prompt_tokens": n, "total_tokens": n}}
 
@@ -65,14 +85,12 @@ async def score(req: ScoreRequest, request: Request):
 @router.post("/v2/rerank", operation_id="rerank_v2", include_in_schema=False)
 async def rerank(req: RerankRequest, request: Request):
     st = server_state(request)
-    st.check_model(req.model, task="embed")
+    st.check_model(req.model, task=("embed", "classify"))
     if not req.documents:
         raise APIError(400, "documents must not be empty", param="documents")
-    got = await embed_texts(st, request, [req.query, *req.documents], "documents")
-    scores = [cosine(got[req.query][0], got[d][0]) for d in req.documents]
+    scores, n = await pair_scores(st, request, [(req.query, d) for d in req.documents], "documents")
     results = [{"index": i, "relevance_score": scores[i],
                 **({"document": {"text": req.documents[i]}} if req.return_documents else {})}
                for i in ranked(scores, req.top_n)]
-    n = got[req.query][1] * len(req.documents) + sum(got[d][1] for d in req.documents)
     return {"id": f"rerank-{request.state.request_id}", "model": st.served_model_name, "results": results,
             "usage": {"total_tokens": n}}

@@ -27,22 +27,24 @@ log = logging.getLogger("cpuserve")
 
 
 def is_pooling_model(model_dir) -> bool:
-    """An encoder, which only embeds (a causal LM embeds only when asked: `runner="pooling"`)."""
+    """An encoder or a classifier, which only pool (a causal LM embeds only when asked: `runner="pooling"`)."""
     return bool(getattr(model_class(load_config(model_dir)), "is_pooling", False))
 
 
 def runs_pooling(config: EngineConfig, model_dir) -> bool:
-    """Whether this engine embeds (True) or generates (False)."""
-    encoder = is_pooling_model(model_dir)
-    if config.runner == "generate" and encoder:
-        raise ValueError(f"{model_dir} is an embedding model (an encoder): it cannot run with runner='generate'")
-    return encoder or config.runner == "pooling"
+    """Whether this engine pools (True: embeddings or a classifier's logits) or generates (False)."""
+    pooling = is_pooling_model(model_dir)
+    if config.runner == "generate" and pooling:
+        raise ValueError(f"{model_dir} is an embedding model (an encoder) or a classifier: it cannot run with "
+                         "runner='generate'")
+    return pooling or config.runner == "pooling"
 
 
 def pooling_runner(config: EngineConfig, model_dir):
     if config.tensor_parallel_size != 1:
         raise ValueError("embedding models run on one rank: tensor_parallel_size must be 1")
-    return EncoderRunner(config, model_dir) if is_pooling_model(model_dir) else DecoderPoolingRunner(config, model_dir)
+    encoder = getattr(model_class(load_config(model_dir)), "is_encoder", False)
+    return EncoderRunner(config, model_dir) if encoder else DecoderPoolingRunner(config, model_dir)
 
 
 class EncoderRunner:
@@ -108,20 +110,26 @@ class DecoderPoolingRunner:
         self.pooling = Pooling.from_dir(model_dir, decoder=True)
         self.max_model_len = min(n for n in (longest, self.pooling.max_len) if n)
         self.vocab_size, self.num_blocks = self.runner.vocab_size, 0  # (its scratch cache is not for generation)
-        self.task = "embed"
+        self.task = "classify" if hasattr(self.runner.model, "classify_states") else "embed"
         self.dtype, self.binding = self.runner.dtype, self.runner.binding
         self.idle_work = self.runner.idle_work
         self.load_seconds = time.perf_counter() - t0
-        _log_loaded(model_dir, self.pooling, self.max_model_len, self.load_seconds)
+        _log_loaded(model_dir, self.pooling if self.task == "embed" else None, self.max_model_len,
+                    self.load_seconds)
 
     def fits(self, lengths: list[int]) -> bool:
         return blocks_for(lengths, self.BLOCK) <= self.runner.num_blocks
 
     @torch.inference_mode()
     def embed(self, batch: list[list[int]], types=None) -> list[list[float]]:
-        """(a causal LM has no token types: `types` is None)"""
+        """Each sequence's pooled embedding, or a classifier's logits from its last token (a causal
+        LM has no token types: `types` is None)."""
         states = self.runner.hidden_states(batch).float()
-        return [v.tolist() for v in self.pooling(states, [len(ids) for ids in batch])]
+        lengths = [len(ids) for ids in batch]
+        if self.task == "classify":
+            last = torch.tensor(lengths).cumsum(0) - 1
+            return [v.tolist() for v in self.runner.model.classify_states(states[last])]
+        return [v.tolist() for v in self.pooling(states, lengths)]
 
     def check_ranks(self) -> None:
         """(one rank: nothing to watch)"""

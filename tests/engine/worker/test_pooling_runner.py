@@ -1,7 +1,10 @@
 """A causal LM as an embedding model (`runner="pooling"`, vLLM's last-token pooling) on the
 default model, against transformers' final hidden state of the same GGUF: packed batches
 give what each sequence gives alone, steps are bounded by the scratch cache, and an encoder
-cannot be asked to generate."""
+cannot be asked to generate. And a causal LM's classifier (LlamaForSequenceClassification:
+the default model's real layers under a seeded `score` head) against transformers' logits."""
+import shutil
+
 import pytest
 import torch
 
@@ -52,7 +55,46 @@ def test_bfloat16_stays_close(hf_model, tokenizer):
 
 def test_an_encoder_cannot_generate():
     from cpuserve import LLM
-    with pytest.raises(ValueError, match="embedding model .*runner='generate'"):
+    with pytest.raises(ValueError, match=r"an embedding model \(an encoder\) or a classifier.*runner='generate'"):
         LLM(PACKAGED_EMBEDDER, runner="generate")
     with pytest.raises(ValueError, match="runner must be"):
         LLM(runner="embed")
+
+
+@pytest.fixture(scope="module")
+def smollm2_classifier(hf_model, model_path, tmp_path_factory):
+    """SmolLM2's layers as LlamaForSequenceClassification with two labels (a seeded head)."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from cpuserve.loading.model_loader import resolve
+    fields = {k: v for k, v in hf_model.config.to_dict().items() if k != "quantization_config"}  # (the GGUF's)
+    cfg = LlamaConfig(**{**fields, "architectures": ["LlamaForSequenceClassification"],
+                         "id2label": {0: "no", 1: "yes"}, "label2id": {"no": 0, "yes": 1}})
+    clf = LlamaForSequenceClassification(cfg).eval()
+    clf.model.load_state_dict(hf_model.model.state_dict())
+    torch.manual_seed(0)
+    with torch.no_grad():
+        clf.score.weight.normal_(0, 0.05)
+    out = tmp_path_factory.mktemp("clf") / "smollm2-clf"
+    clf.save_pretrained(str(out))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(resolve(str(model_path)) / name, out / name)
+    return out, clf
+
+
+def test_a_causal_lm_classifier_reads_its_last_token(smollm2_classifier, tokenizer):
+    from cpuserve import LLM
+    path, ref = smollm2_classifier
+    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=256)  # a pooling engine by its architecture
+    assert llm.engine.task == "classify"
+    outs = llm.classify(PROMPTS)
+    for prompt, o in zip(PROMPTS, outs):
+        ids = tokenizer.encode(prompt)
+        with torch.no_grad():
+            want = torch.softmax(ref(torch.tensor([ids])).logits[0], 0)
+        assert o.prompt_token_ids == ids
+        assert torch.allclose(torch.tensor(o.outputs.probs), want, atol=2e-4), (prompt, o.outputs.probs, want)
+    assert len({round(o.outputs.probs[0], 3) for o in outs}) > 1  # the head tells the prompts apart
+    with pytest.raises(ValueError, match="or a classifier: it cannot run with runner='generate'"):
+        LLM(str(path), runner="generate")
+

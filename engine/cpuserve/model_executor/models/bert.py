@@ -59,6 +59,7 @@ class BertLayer:
 class BertModel:
     """hidden states of every token: encode(list of token id lists) -> [total tokens, hidden]."""
     is_pooling = True
+    is_encoder = True                      # whole sequences, no KV cache (worker/pooling_runner.py)
     prefix = ""                            # where the encoder's tensors live in the checkpoint
     unused: tuple[str, ...] = ("pooler.",)  # BERT's pooler serves next-sentence prediction, not embeddings
     segments = True                        # a pair's texts are token types 0 and 1

@@ -81,3 +81,21 @@ class LlamaForCausalLM(CausalLM):
             h, residual = layer(positions, h, residual)
         h, _ = self.norm(h, residual)
         return h
+
+
+class LlamaForSequenceClassification(LlamaForCausalLM):
+    """Llama, Mistral and Qwen classifiers (vLLM's classify models, Qwen3 rerankers' shape): the
+    decoder's final state of a sequence's last token through `score` (labels x hidden, no bias),
+    as transformers' *ForSequenceClassification reads its last token that is not padding. Run
+    by the pooling runner; the LM head is the tied embedding, never used."""
+    is_pooling = True
+
+    def __init__(self, config, weights: Weights, dtype: torch.dtype, tp: TPGroup):
+        self.score = weights.take("score.weight").float()
+        self.num_labels = self.score.shape[0]
+        super().__init__(config, weights, dtype, tp)
+
+    def classify_states(self, last: torch.Tensor) -> torch.Tensor:
+        """[sequences, hidden] final states of each sequence's last token -> [sequences, labels]."""
+        return last.float() @ self.score.T
+

@@ -1,5 +1,5 @@
-"""Kubernetes objects for a CPUModelServer: one pod per placement, a Service,
-an optional Ingress. Pure functions of the spec and the placement; names are
+"""Kubernetes objects for a CPUModelServer: one pod per placement, a Service, a
+PodDisruptionBudget, an optional Ingress and an optional ServiceMonitor. Pure functions of the spec and the placement; names are
 deterministic (server, spec hash, replica index) so that a reconcile that runs
 twice creates nothing twice."""
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 from cpuserve_operator.placement import NODE_LOST_TOLERATIONS, GiB, Placement, ServerSpec
 
 GROUP, VERSION, PLURAL, KIND = "cpuserve.dev", "v1alpha1", "cpumodelservers", "CPUModelServer"
+SERVICE_MONITOR = ("monitoring.coreos.com", "v1", "servicemonitors")  # the Prometheus Operator's
 L_SERVER, L_REPLICA, L_HASH = "cpuserve.dev/server", "cpuserve.dev/replica", "cpuserve.dev/spec-hash"
 A_SLOT, A_CPUS = "cpuserve.dev/slot", "cpuserve.dev/cpus"
 A_ASSIGNED = "cpuserve.dev/assigned"  # the node agent: {"cpus", "memoryNodes"} the kubelet gave the engine
@@ -255,6 +256,23 @@ def build_ingress(cr: dict, spec: ServerSpec) -> dict | None:
                      "labels": {"app.kubernetes.io/name": "cpuserve", L_SERVER: spec.name},
                      "ownerReferences": [owner_ref(cr)]},
         "spec": body,
+    }
+
+
+def build_service_monitor(cr: dict, spec: ServerSpec) -> dict | None:
+    """monitoring.serviceMonitor: Prometheus scrapes every pod behind the Service on its port's
+    /metrics (the engine's, open without the API key), at the spec's interval; the spec's labels
+    are the ones a Prometheus selects its monitors by."""
+    sm = spec.service_monitor
+    if sm is None:
+        return None
+    return {
+        "apiVersion": f"{SERVICE_MONITOR[0]}/{SERVICE_MONITOR[1]}", "kind": "ServiceMonitor",
+        "metadata": {"name": spec.name, "namespace": cr["metadata"]["namespace"],
+                     "labels": {**sm["labels"], "app.kubernetes.io/name": "cpuserve", L_SERVER: spec.name},
+                     "ownerReferences": [owner_ref(cr)]},
+        "spec": {"selector": {"matchLabels": {L_SERVER: spec.name}},
+                 "endpoints": [{"port": "http", "path": "/metrics", "interval": sm["interval"]}]},
     }
 
 

@@ -137,6 +137,7 @@ class ServerSpec:
     memory_gib: float | None = None  # the pod's memory as given (None: computed, see pod_memory)
     tolerations: tuple[dict, ...] = ()  # placement.tolerations: the pods', and the tainted nodes they may use
     api_key_secret: tuple[str, str] | None = None  # service.apiKeySecret: (Secret name, key) of the API key
+    service_monitor: dict | None = None  # monitoring.serviceMonitor where enabled: {interval, labels}
 
     @property
     def ranks(self) -> int:
@@ -200,7 +201,14 @@ def parse_spec(name: str, spec: dict, default_image: str = DEFAULT_ENGINE_IMAGE)
         pull_policy=img.get("pullPolicy", "IfNotPresent"), service_type=svc.get("type", "ClusterIP"),
         port=int(svc.get("port", 8000)), ingress=ing, model_path=str(m.get("path", "")).strip("/"),
         model_sha256=str(m.get("sha256", "")).lower(), tolerations=tuple(p.get("tolerations", [])),
-        api_key_secret=_secret_ref(svc.get("apiKeySecret")))
+        api_key_secret=_secret_ref(svc.get("apiKeySecret")),
+        service_monitor=_service_monitor(spec.get("monitoring", {}).get("serviceMonitor", {})))
+
+
+def _service_monitor(sm: dict) -> dict | None:
+    if not sm.get("enabled"):
+        return None
+    return {"interval": sm.get("interval", "30s"), "labels": dict(sm.get("labels", {}))}
 
 
 def _secret_ref(ref: dict | None) -> tuple[str, str] | None:

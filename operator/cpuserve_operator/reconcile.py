@@ -172,10 +172,11 @@ def _reconcile(ns: str, name: str, api: client.ApiClient) -> None:
             _backoff.pop((ns, name, idx), None)
     for idx in [i for i in failures if i >= spec.replicas]:
         failures.pop(idx)
-    ps.forget_resolved()
     _apply_service(core, ns, b.build_service(cr, spec))
     _apply_pdb(client.PolicyV1Api(api), ns, b.build_pdb(cr, spec))
     _apply_ingress(net, ns, spec.name, b.build_ingress(cr, spec))
+    _apply_service_monitor(ps, custom, b.build_service_monitor(cr, spec))
+    ps.forget_resolved()
     _write_status(custom, ns, name, cr, spec, core, result, [failures[i] for i in sorted(failures)], ps.problems)
 
 
@@ -365,6 +366,36 @@ def _apply_ingress(net, ns, name, body) -> None:
         net.patch_namespaced_ingress(name, ns, {"spec": body["spec"]})
     else:
         _create(net.create_namespaced_ingress, ns, body)
+
+
+def _apply_service_monitor(ps: _Pass, custom, body: dict | None) -> None:
+    """The server's ServiceMonitor as the spec says, deleted when it says none. Without the
+    Prometheus Operator's CRDs the resource is unknown (404 on create): a Warning event, once,
+    and the next passes try again, so the monitor appears once the CRDs are installed."""
+    group, version, plural = b.SERVICE_MONITOR
+    try:
+        have = custom.get_namespaced_custom_object(group, version, ps.ns, plural, ps.name)
+    except ApiException as e:
+        if e.status != 404:
+            raise
+        have = None
+    if body is None:
+        if have is not None:
+            custom.delete_namespaced_custom_object(group, version, ps.ns, plural, ps.name)
+        return
+    if have is None:
+        try:
+            _create(lambda ns, obj: custom.create_namespaced_custom_object(group, version, ns, plural, obj),
+                    ps.ns, body)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            ps.event("Warning", "ServiceMonitorUnavailable", "monitoring.serviceMonitor is enabled, but the "
+                     "cluster has no ServiceMonitor resource (install the Prometheus Operator's CRDs)",
+                     once=("servicemonitor",))
+    elif have.get("spec") != body["spec"] or have["metadata"].get("labels") != body["metadata"]["labels"]:
+        body = {**body, "metadata": {**body["metadata"], "resourceVersion": have["metadata"]["resourceVersion"]}}
+        custom.replace_namespaced_custom_object(group, version, ps.ns, plural, ps.name, body)
 
 
 def _condition(old: list, type_: str, status: bool, reason: str, message: str, gen: int) -> dict:

@@ -20,6 +20,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 ASSETS = os.environ.get("KUBEBUILDER_ASSETS")
 NEEDED = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl")
+# the Prometheus Operator's ServiceMonitor CRD from its Go module (operator/hack/envtest/install.sh)
+MONITOR_CRD = "crds/monitoring.coreos.com_servicemonitors-v0.85.0.yaml"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -192,12 +194,12 @@ class ControlPlane:
 
 @pytest.fixture(scope="session")
 def cluster():
-    if not ASSETS or not all(Path(ASSETS, b).exists() for b in NEEDED):
+    if not ASSETS or not all(Path(ASSETS, b).exists() for b in (*NEEDED, MONITOR_CRD)):
         msg = f"envtest binaries missing in KUBEBUILDER_ASSETS={ASSETS!r}: run `make test-operator` (or `make envtest`)"
         if os.environ.get("CI"):
             pytest.fail(msg)
         pytest.skip(msg)
-    cp = ControlPlane(Path(ASSETS), [ROOT / "crds" / "cpumodelserver.yaml"])
+    cp = ControlPlane(Path(ASSETS), [ROOT / "crds" / "cpumodelserver.yaml", Path(ASSETS, MONITOR_CRD)])
     try:
         yield cp
     finally:

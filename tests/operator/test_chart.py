@@ -104,12 +104,14 @@ def test_operator_works_with_the_charts_rbac(cluster):
         cluster.kubectl("create", "namespace", "rbac", check=False)
         cluster.kubectl("apply", "-n", "rbac", "-f", "-", input=json.dumps({
             "apiVersion": "cpuserve.dev/v1alpha1", "kind": "CPUModelServer", "metadata": {"name": "sa"},
-            "spec": {"model": {"source": "packaged://smollm2"}, "engine": {"kvCacheGiB": 1}}}))
+            "spec": {"model": {"source": "packaged://smollm2"}, "engine": {"kvCacheGiB": 1},
+                     "monitoring": {"serviceMonitor": {"enabled": True}}}}))
         wait_for(lambda: cluster.get("pods", "-n", "rbac", "-l", "cpuserve.dev/server=sa")["items"], 60, "pod")
         wait_for(lambda: cluster.get("cms", "-n", "rbac", "sa").get("status", {}).get("phase") == "Loading", 60,
                  "status written")
         assert cluster.get("svc", "-n", "rbac", "sa")["spec"]["ports"][0]["port"] == 8000
         wait_for(lambda: cluster.get("pdb", "-n", "rbac", "sa"), 30, "pod disruption budget")
+        wait_for(lambda: cluster.get("servicemonitors.monitoring.coreos.com", "-n", "rbac", "sa"), 30, "monitor")
         assert cluster.get("lease", "-n", "cpuserve-system", "cpuserve-operator")["spec"]["holderIdentity"] == "op-0"
         assert any(e["reason"] == "Placed" for e in cluster.get("events", "-n", "rbac")["items"])
         text = (cluster.dir / "operator-sa.log").read_text()

@@ -220,7 +220,8 @@ def test_generated_objects_pass_server_side_validation(cluster):
     cr = {"metadata": {"name": "dry", "namespace": NS, "uid": "00000000-0000-0000-0000-000000000001"}}
     for raw in ({"model": {"source": "pvc://weights/m"}, "placement": {"pinning": "Engine"},
                  "seccompProfile": {"type": "Localhost", "localhostProfile": "cpuserve/numa.json"},
-                 "ingress": {"enabled": True, "host": "x.example.com", "tls": True, "className": "nginx"}},
+                 "ingress": {"enabled": True, "host": "x.example.com", "tls": True, "className": "nginx"},
+                 "monitoring": {"serviceMonitor": {"enabled": True, "interval": "1m30s", "labels": {"team": "ml"}}}},
                 {"model": {"source": "packaged://smollm2"}, "placement": {"strategy": "TensorParallel",
                                                                          "tensorParallelSize": 2}},
                 {"model": {"source": "image://registry.example/models/smollm2:q4", "path": "model.gguf"}},
@@ -228,12 +229,55 @@ def test_generated_objects_pass_server_side_validation(cluster):
         spec = parse_spec("dry", raw)
         (pl,) = plan(spec, [machine("n")]).placements
         for obj in (b.build_pod(cr, spec, pl), b.build_service(cr, spec), b.build_ingress(cr, spec),
-                    b.build_pdb(cr, spec)):
+                    b.build_pdb(cr, spec), b.build_service_monitor(cr, spec)):
             if obj is None:
                 continue
             r = cluster.kubectl("create", "--dry-run=server", "--validate=strict", "-f", "-", input=json.dumps(obj),
                                 check=False)
             assert r.returncode == 0, f"{obj['kind']}: {r.stderr}"
+
+
+def test_a_service_monitor_follows_the_spec_and_the_crds(cluster, operator):
+    """monitoring.serviceMonitor: created, changed and deleted with the spec; without the Prometheus
+    Operator's CRD a Warning event, and the monitor appears once the CRD is installed again."""
+    from conftest import MONITOR_CRD
+    from pathlib import Path
+
+    def monitor():
+        r = cluster.kubectl("get", "servicemonitors.monitoring.coreos.com", "mon", "-n", NS, "-o", "json",
+                            check=False)
+        return json.loads(r.stdout) if r.returncode == 0 else None
+
+    def server(sm):
+        cluster.kubectl("apply", "-f", "-", input=json.dumps({
+            "apiVersion": "cpuserve.dev/v1alpha1", "kind": "CPUModelServer", "metadata": {"name": "mon", "namespace": NS},
+            "spec": {"model": {"source": "packaged://smollm2"}, "replicas": 0, "monitoring": {"serviceMonitor": sm}}}))
+
+    server({"enabled": True, "labels": {"release": "prom"}})
+    sm = wait_for(monitor, 30, "service monitor")
+    assert sm["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "30s"}]
+    svc = wait_for(lambda: cluster.get("svc", "-n", NS, "mon"), 30, "service")
+    assert sm["spec"]["selector"]["matchLabels"] == {"cpuserve.dev/server": "mon"}
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()  # it selects the Service
+    assert sm["metadata"]["labels"]["release"] == "prom" and sm["metadata"]["ownerReferences"][0]["name"] == "mon"
+    server({"enabled": True, "interval": "15s", "labels": {"team": "ml"}})
+    sm = wait_for(lambda: (m := monitor()) and m["spec"]["endpoints"][0]["interval"] == "15s" and m, 30, "new interval")
+    assert "release" not in sm["metadata"]["labels"] and sm["metadata"]["labels"]["team"] == "ml"
+    server({"enabled": False})
+    wait_for(lambda: monitor() is None, 30, "monitor deleted")
+
+    crd = Path(os.environ["KUBEBUILDER_ASSETS"], MONITOR_CRD)
+    cluster.kubectl("delete", "-f", str(crd))
+    try:
+        server({"enabled": True})
+        wait_for(lambda: any(e["reason"] == "ServiceMonitorUnavailable" and e["involvedObject"]["name"] == "mon"
+                             for e in cluster.get("events", "-n", NS)["items"]), 30, "warning event")
+    finally:
+        cluster.kubectl("apply", "-f", str(crd))
+        cluster.kubectl("wait", "--for=condition=Established", "-f", str(crd), "--timeout=60s")
+    wait_for(monitor, 30, "monitor once the CRD is back")
+    cluster.kubectl("delete", "cms", "mon", "-n", NS)
+    wait_for(lambda: monitor() is None, 180, "monitor GC")
 
 
 def test_tensor_parallel_pods(cluster, operator):

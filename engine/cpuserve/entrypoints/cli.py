@@ -63,6 +63,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "or a directory holding a generation_config.json")
     p.add_argument("--override-generation-config", type=_json_object, default=None,
                    help='JSON object over the generation config\'s defaults, e.g. \'{"temperature": 0.5}\'')
+    p.add_argument("--hf-overrides", type=_json_object, default=None,
+                   help="JSON object merged over the model's config.json (vLLM's), e.g. a Qwen3 reranker as a "
+                        "classifier: '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+                        "\"classifier_from_token\": [\"no\", \"yes\"], \"method\": \"from_2_way_softmax\"}'")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
@@ -74,6 +78,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 enable_prefix_caching=a.enable_prefix_caching, enable_chunked_prefill=a.enable_chunked_prefill,
                 seed=a.seed, tensor_parallel_size=a.tensor_parallel_size, runner=a.runner,
                 generation_config=a.generation_config, override_generation_config=a.override_generation_config,
+                hf_overrides=a.hf_overrides,
                 max_logprobs=a.max_logprobs)
 
 

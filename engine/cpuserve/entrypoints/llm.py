@@ -54,7 +54,7 @@ class LLM:
         tok = self.engine.tokenizer
         ids = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         outs = self.engine.pool([(x, None) for x in ids], "classify")
-        head = ClassifierHead.from_dir(self.engine.core.runner.model_dir)
+        head = ClassifierHead.from_dir(self.engine.core.runner.model_dir, self.engine.config.hf_overrides)
         return [ClassificationRequestOutput(f"classify-{next(self._ids)}", ClassificationOutput(head.probs(o.embedding)),
                                             x) for x, o in zip(ids, outs)]
 
@@ -74,7 +74,7 @@ class LLM:
 
     def _cross_scores(self, todo: list[tuple[str, str]]) -> list[ScoringRequestOutput]:
         encoded = [self.engine.tokenizer.encode_pair(a, b) for a, b in todo]
-        head = ClassifierHead.from_dir(self.engine.core.runner.model_dir)
+        head = ClassifierHead.from_dir(self.engine.core.runner.model_dir, self.engine.config.hf_overrides)
         outs = self.engine.pool(encoded, "classify")
         return [ScoringRequestOutput(f"score-{next(self._ids)}", ScoringOutput(head.score(o.embedding)), ids)
                 for (ids, _), o in zip(encoded, outs)]

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from cpuserve.loading.hf_config import merged
+
 
 class PairingError(ValueError):
     def __init__(self, message: str, param: str):
@@ -57,8 +59,14 @@ class ClassifierHead:
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ClassifierHead":
-        names = cfg.get("id2label") or {"0": "LABEL_0"}
-        labels = tuple(str(names[k]) for k in sorted(names, key=int))
+        tokens = cfg.get("classifier_from_token") or (["no", "yes"] if cfg.get("is_original_qwen3_reranker") else [])
+        if tokens:  # a causal LM's head rows (--hf-overrides): the tokens name the labels
+            two_way = len(tokens) == 2 and (cfg.get("method") == "from_2_way_softmax"
+                                            or bool(cfg.get("is_original_qwen3_reranker")))
+            labels = (str(tokens[1]),) if two_way else tuple(map(str, tokens))
+        else:
+            names = cfg.get("id2label") or {"0": "LABEL_0"}
+            labels = tuple(str(names[k]) for k in sorted(names, key=int))
         multi = len(labels) == 1 or cfg.get("problem_type") == "multi_label_classification"
         activation = "sigmoid" if multi else "softmax"
         st = (cfg.get("sentence_transformers") or {}).get("activation_fn") or \
@@ -67,14 +75,16 @@ class ClassifierHead:
         return cls(labels, activation, score)
 
     @classmethod
-    def from_dir(cls, model_dir) -> "ClassifierHead":
-        return cls.from_config(json.loads((Path(model_dir) / "config.json").read_text()))
+    def from_dir(cls, model_dir, overrides: dict | None = None) -> "ClassifierHead":
+        """The model directory's config.json, with --hf-overrides merged over it."""
+        return cls.from_config(merged(json.loads((Path(model_dir) / "config.json").read_text()), overrides or {}))
 
     def probs(self, logits: list[float]) -> list[float]:
         return activate(logits, self.activation)
 
     def label(self, logits: list[float]) -> str:
-        return self.labels[max(range(len(logits)), key=lambda i: logits[i])]
+        best = max(range(len(logits)), key=lambda i: logits[i])
+        return self.labels[best] if best < len(self.labels) else f"LABEL_{best}"
 
     def score(self, logits: list[float]) -> float:
         """A pair's score: a cross-encoder's one output, activated."""

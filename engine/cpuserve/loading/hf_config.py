@@ -47,7 +47,10 @@ class HFConfig:
         return self.__dict__.get(name, default)
 
 
-def load_config(model_dir: Path) -> HFConfig:
+def load_config(model_dir: Path, overrides: dict | None = None) -> HFConfig:
+    """config.json with vLLM's --hf-overrides merged over it (nested objects merged key by key).
+    A classifier made from a causal LM's head (`classifier_from_token`, as vLLM serves Qwen3
+    rerankers) gets those tokens' ids from the model's tokenizer.json."""
     path = Path(model_dir) / "config.json"
     try:
         raw = json.loads(path.read_text())
@@ -55,4 +58,30 @@ def load_config(model_dir: Path) -> HFConfig:
         raise ValueError(f"{path}: invalid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object")
+    raw = merged(raw, overrides or {})
+    if raw.get("is_original_qwen3_reranker"):  # as vLLM: its head's "no" and "yes" rows
+        raw.setdefault("classifier_from_token", ["no", "yes"])
+    if raw.get("classifier_from_token"):
+        raw["classifier_from_token_ids"] = _token_ids(Path(model_dir), raw["classifier_from_token"])
     return HFConfig(raw)
+
+
+def merged(base: dict, over: dict) -> dict:
+    """`over` merged into a copy of `base`: objects key by key, anything else replaced."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _token_ids(model_dir: Path, tokens) -> list[int]:
+    from tokenizers import Tokenizer
+
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ValueError("classifier_from_token must be a list of tokens, e.g. [\"no\", \"yes\"]")
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids = [tok.token_to_id(t) for t in tokens]
+    missing = [t for t, i in zip(tokens, ids) if i is None]
+    if missing:
+        raise ValueError(f"classifier_from_token: {missing} not in the tokenizer's vocabulary")
+    return ids

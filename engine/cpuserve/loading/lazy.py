@@ -23,5 +23,9 @@ class LazyByName:
             raise KeyError(name)
         return self._load(name, entry)
 
+    def peek(self, name: str):
+        """The tensor, left in place for a later pop (read again then)."""
+        return self._load(name, self._where[name])
+
     def _load(self, name: str, entry):
         raise NotImplementedError

@@ -86,10 +86,11 @@ def resolve(model: str | None) -> Path:
     return path
 
 
-def load_config(model_dir: Path):
+def load_config(model_dir: Path, overrides: dict | None = None):
+    """The model's config; `overrides`: EngineConfig.hf_overrides (vLLM's --hf-overrides)."""
     from cpuserve.loading.hf_config import load_config as read
 
-    return read(model_dir)
+    return read(model_dir, overrides)
 
 
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,

@@ -187,7 +187,7 @@ class ModelRunner:
         self.config = config
         self.ranks = None
         self.model_dir = Path(model_dir) if model_dir else resolve(config.model)
-        self.hf_config = load_config(self.model_dir)
+        self.hf_config = load_config(self.model_dir, config.hf_overrides)
         cls = models.model_class(self.hf_config)  # unknown architecture: fail before reading weights
         self.dtype = resolve_dtype(config.dtype, checkpoint_dtype(self.hf_config))
         self.quantization = checkpoint_quantization(self.model_dir, config.quantization)

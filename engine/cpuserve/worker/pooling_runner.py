@@ -26,14 +26,14 @@ from cpuserve.worker.input_batch import blocks_for
 log = logging.getLogger("cpuserve")
 
 
-def is_pooling_model(model_dir) -> bool:
+def is_pooling_model(model_dir, overrides: dict | None = None) -> bool:
     """An encoder or a classifier, which only pool (a causal LM embeds only when asked: `runner="pooling"`)."""
-    return bool(getattr(model_class(load_config(model_dir)), "is_pooling", False))
+    return bool(getattr(model_class(load_config(model_dir, overrides)), "is_pooling", False))
 
 
 def runs_pooling(config: EngineConfig, model_dir) -> bool:
     """Whether this engine pools (True: embeddings or a classifier's logits) or generates (False)."""
-    pooling = is_pooling_model(model_dir)
+    pooling = is_pooling_model(model_dir, config.hf_overrides)
     if config.runner == "generate" and pooling:
         raise ValueError(f"{model_dir} is an embedding model (an encoder) or a classifier: it cannot run with "
                          "runner='generate'")
@@ -43,7 +43,7 @@ def runs_pooling(config: EngineConfig, model_dir) -> bool:
 def pooling_runner(config: EngineConfig, model_dir):
     if config.tensor_parallel_size != 1:
         raise ValueError("embedding models run on one rank: tensor_parallel_size must be 1")
-    encoder = getattr(model_class(load_config(model_dir)), "is_encoder", False)
+    encoder = getattr(model_class(load_config(model_dir, config.hf_overrides)), "is_encoder", False)
     return EncoderRunner(config, model_dir) if encoder else DecoderPoolingRunner(config, model_dir)
 
 
@@ -54,7 +54,7 @@ class EncoderRunner:
         t0 = time.perf_counter()
         self.config = config
         self.model_dir = model_dir or resolve(config.model)
-        self.hf_config = load_config(self.model_dir)
+        self.hf_config = load_config(self.model_dir, config.hf_overrides)
         if config.dtype not in ("auto", "float32"):
             raise ValueError(f"embedding models run in float32; dtype {config.dtype!r} is not supported for them")
         self.dtype = torch.float32
@@ -101,7 +101,7 @@ class DecoderPoolingRunner:
         from cpuserve.worker.model_runner import ModelRunner, max_model_len
 
         t0 = time.perf_counter()
-        longest = max_model_len(load_config(model_dir), config.max_model_len)
+        longest = max_model_len(load_config(model_dir, config.hf_overrides), config.max_model_len)
         tokens = max(config.resolve_batched_tokens(longest), longest)
         scratch = dataclasses.replace(config, block_size=self.BLOCK, enable_prefix_caching=False,
                                       num_kv_blocks=blocks_for([tokens], self.BLOCK))

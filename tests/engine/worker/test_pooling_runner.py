@@ -98,3 +98,41 @@ def test_a_causal_lm_classifier_reads_its_last_token(smollm2_classifier, tokeniz
     with pytest.raises(ValueError, match="or a classifier: it cannot run with runner='generate'"):
         LLM(str(path), runner="generate")
 
+
+RERANKER = {"architectures": ["LlamaForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+            "method": "from_2_way_softmax"}
+
+
+@pytest.mark.parametrize("overrides", [RERANKER, {**RERANKER, "classifier_from_token": ["no", "yes", "maybe"],
+                                                   "method": None}])
+def test_a_causal_lm_becomes_a_classifier_from_its_own_head_tokens(overrides, hf_model, tokenizer):
+    """vLLM's --hf-overrides for Qwen3 rerankers on the packaged GGUF: the LM head's rows of the
+    tokens are the classifier; two-way, a pair's score is softmax(no, yes)'s "yes"."""
+    from cpuserve import LLM
+    llm = LLM(dtype="float32", hf_overrides=overrides, max_model_len=512)
+    assert llm.engine.task == "classify"
+    rows = [tokenizer._tok.token_to_id(t) for t in overrides["classifier_from_token"]]
+    assert None not in rows  # the tokens are whole vocabulary entries
+    outs = llm.classify(PROMPTS[:4])
+    for prompt, o in zip(PROMPTS, outs):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([tokenizer.encode(prompt)])).logits[0, -1, rows]
+        want = torch.softmax(logits, 0)
+        if len(rows) == 2:
+            assert o.outputs.probs == pytest.approx([want[1].item()], abs=2e-4)
+        else:
+            assert o.outputs.probs == pytest.approx(want.tolist(), abs=2e-4)
+    if len(rows) == 2:
+        [s] = llm.score("Is Paris in France?", "Paris is the capital of France.")
+        assert 0 < s.outputs.score < 1
+
+
+def test_hf_overrides_reach_the_config_and_name_their_mistakes():
+    from cpuserve import LLM
+    llm = LLM(dtype="float32", hf_overrides={"max_position_embeddings": 96}, kv_cache_space=0.5)
+    assert llm.engine.max_model_len == 96
+    with pytest.raises(ValueError, match=r"classifier_from_token: \['no-such-token'\] not in the tokenizer"):
+        LLM(hf_overrides={**RERANKER, "classifier_from_token": ["no", "no-such-token"]})
+    with pytest.raises(ValueError, match="no score.weight"):
+        LLM(hf_overrides={"architectures": ["LlamaForSequenceClassification"]})
+

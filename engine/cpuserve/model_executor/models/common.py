@@ -28,6 +28,12 @@ class Weights:
     def take_optional(self, name: str) -> torch.Tensor | None:
         return self.tensors.pop(name, None)
 
+    def peek(self, name: str) -> torch.Tensor:
+        """A tensor another part of the model takes too (read, not handed out)."""
+        if name not in self.tensors:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        return self.tensors.peek(name) if hasattr(self.tensors, "peek") else self.tensors[name]
+
     def check_consumed(self, ignore: tuple[str, ...] = ()) -> None:
         left = [n for n in self.tensors if not any(s in n for s in ignore)]
         if left:

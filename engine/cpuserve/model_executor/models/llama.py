@@ -87,15 +87,40 @@ class LlamaForSequenceClassification(LlamaForCausalLM):
     """Llama, Mistral and Qwen classifiers (vLLM's classify models, Qwen3 rerankers' shape): the
     decoder's final state of a sequence's last token through `score` (labels x hidden, no bias),
     as transformers' *ForSequenceClassification reads its last token that is not padding. Run
-    by the pooling runner; the LM head is the tied embedding, never used."""
+    by the pooling runner; the LM head is the tied embedding, never used. A causal LM's checkpoint
+    becomes one through --hf-overrides (from_token_head), as vLLM serves Qwen3 rerankers."""
     is_pooling = True
 
     def __init__(self, config, weights: Weights, dtype: torch.dtype, tp: TPGroup):
-        self.score = weights.take("score.weight").float()
+        score = weights.take_optional("score.weight")
+        self.score = (score.float() if score is not None else from_token_head(config, weights))
         self.num_labels = self.score.shape[0]
         super().__init__(config, weights, dtype, tp)
 
     def classify_states(self, last: torch.Tensor) -> torch.Tensor:
         """[sequences, hidden] final states of each sequence's last token -> [sequences, labels]."""
         return last.float() @ self.score.T
+
+
+def from_token_head(config, weights: Weights) -> torch.Tensor:
+    """vLLM's classifier from a causal LM's own head (hf_overrides `classifier_from_token`): the
+    LM head's rows of those tokens, one label each; with `method: from_2_way_softmax` (or
+    `is_original_qwen3_reranker`, whose tokens are "no" and "yes") one label, the second row
+    less the first, whose sigmoid is the two tokens' softmax probability of the second."""
+    ids = config.get("classifier_from_token_ids")
+    if not ids:
+        raise ValueError("the checkpoint has no score.weight: serve a *ForSequenceClassification checkpoint, or a "
+                         "causal LM with --hf-overrides '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+                         "\"classifier_from_token\": [\"no\", \"yes\"], \"method\": \"from_2_way_softmax\"}'")
+    name = "lm_head.weight" if "lm_head.weight" in weights.tensors else "model.embed_tokens.weight"
+    head = weights.peek(name)
+    rows = (head.dequantize() if hasattr(head, "dequantize") else head.float())[ids]
+    if two_way(config):
+        return (rows[1] - rows[0]).unsqueeze(0)
+    return rows
+
+
+def two_way(config) -> bool:
+    return (config.get("method") == "from_2_way_softmax" or bool(config.get("is_original_qwen3_reranker"))) and \
+        len(config.get("classifier_from_token_ids") or ()) == 2
 

@@ -2,6 +2,8 @@
 seeded classifier head, tests/engine/cross_encoders.py): /v1/score and /v1/rerank as a
 cross-encoder scores, /classify's probabilities and labels, each against transformers, and
 the routes each kind of model refuses."""
+import json
+
 import httpx
 import pytest
 import torch
@@ -79,3 +81,26 @@ def test_routes_follow_the_model_kind(cross, server):
         assert r.status_code == 400 and "classification model" in r.json()["error"]["message"], r.text
     r = httpx.post(server.url + "/classify", json={"input": "x"})
     assert r.status_code == 400 and "ForSequenceClassification" in r.json()["error"]["message"]
+
+
+def test_a_causal_lm_served_as_a_reranker_through_hf_overrides(hf_model, tokenizer):
+    """vLLM's recipe for Qwen3 rerankers on the packaged model: --hf-overrides makes the LM head's
+    "no" and "yes" rows the classifier; a pair's score is softmax(no, yes)'s "yes" after the
+    query and the document read as one sequence."""
+    overrides = {"architectures": ["LlamaForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+                 "method": "from_2_way_softmax"}
+    s = Server("--hf-overrides", json.dumps(overrides), "--max-model-len", "512")
+    try:
+        r = httpx.post(s.url + "/v1/rerank", json={"query": QUERY, "documents": DOCS}, timeout=60)
+        assert r.status_code == 200, r.text
+        rows = [tokenizer._tok.token_to_id(t) for t in ("no", "yes")]
+        for x in r.json()["results"]:
+            ids = tokenizer.encode_pair(QUERY, DOCS[x["index"]])[0]
+            with torch.no_grad():
+                want = torch.softmax(hf_model(torch.tensor([ids])).logits[0, -1, rows], 0)[1].item()
+            assert x["relevance_score"] == pytest.approx(want, abs=2e-4)
+        c = httpx.post(s.url + "/classify", json={"input": "Is the sky blue?"}).json()["data"][0]
+        assert c["label"] == "yes" and c["num_classes"] == 1
+    finally:
+        s.stop()
+

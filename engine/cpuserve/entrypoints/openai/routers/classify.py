@@ -27,7 +27,7 @@ async def classify(req: ClassificationRequest, request: Request):
     st = server_state(request)
     st.check_model(req.model, task="classify")
     inputs = await asyncio.to_thread(tokenize_inputs, req.input, st.tokenizer)
-    head = classifier_head(st.engine.info.model_dir)
+    head = classifier_head(st)
     outs = await embed_all(st, request, inputs, "input")
     data = [{"index": i, "label": head.label(o.embedding), "probs": head.probs(o.embedding),
              "num_classes": len(o.embedding)} for i, o in enumerate(outs)]

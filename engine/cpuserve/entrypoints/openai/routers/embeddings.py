@@ -76,10 +76,14 @@ def tokenize_inputs(inp, tok) -> list[list[int]]:
     return out
 
 
+def classifier_head(st: ServerState) -> ClassifierHead:
+    """The served classifier's labels and activations (its config.json and --hf-overrides, read once)."""
+    return _classifier_head(st.engine.info.model_dir, json.dumps(st.engine.config.hf_overrides or {}))
+
+
 @lru_cache(maxsize=4)
-def classifier_head(model_dir: str) -> ClassifierHead:
-    """The served classifier's labels and activations (its config.json, read once)."""
-    return ClassifierHead.from_dir(model_dir)
+def _classifier_head(model_dir: str, overrides: str) -> ClassifierHead:
+    return ClassifierHead.from_dir(model_dir, json.loads(overrides))
 
 
 @lru_cache(maxsize=4)

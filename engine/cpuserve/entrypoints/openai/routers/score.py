@@ -55,7 +55,7 @@ async def pair_scores(st: ServerState, request: Request, todo: list[tuple[str, s
         if len(todo) > MAX_INPUTS:
             raise APIError(400, f"at most {MAX_INPUTS} pairs, got {len(todo)}", param=param)
         encoded = await asyncio.to_thread(lambda: [st.tokenizer.encode_pair(a, b) for a, b in todo])
-        head = classifier_head(st.engine.info.model_dir)
+        head = classifier_head(st)
         outs = await embed_all(st, request, [ids for ids, _ in encoded], param, [t for _, t in encoded])
         try:
             return [head.score(o.embedding) for o in outs], sum(o.num_tokens for o in outs)

@@ -56,10 +56,24 @@ class EngineConfig:
     override_generation_config: dict | None = None
     max_logprobs: int = 20                # the most logprobs a request may ask for (-1: the whole vocabulary)
     hf_overrides: dict | None = None      # merged over the model's config.json (vLLM's --hf-overrides)
+    enable_lora: bool = False             # LoRA adapters (loading/lora.py): vLLM's --enable-lora
+    lora_modules: dict | None = None      # name -> PEFT adapter directory, loaded at start (--lora-modules)
+    max_loras: int = 8                    # the most adapters loaded at once (--max-loras)
+    max_lora_rank: int = 16               # the largest adapter rank accepted (--max-lora-rank)
     binding: object | None = None     # binding.BindingPlan; None = planned from the environment at startup
     # True when neither kv_cache_space nor the environment set it: under a container memory limit
     # the engine then sizes the KV cache to what the limit leaves (ModelRunner), else 4 GiB
     kv_cache_space_default: bool = field(default=False, init=False)
+
+    def _check_lora(self) -> None:
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules need enable_lora=True (--enable-lora)")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and {self.max_lora_rank}")
+        if self.enable_lora and self.tensor_parallel_size != 1:
+            raise ValueError("LoRA adapters run on one rank: tensor_parallel_size must be 1 with enable_lora")
+        if len(self.lora_modules or {}) > self.max_loras:
+            raise ValueError(f"{len(self.lora_modules)} lora_modules for max_loras={self.max_loras}")
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 16:
@@ -85,6 +99,7 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary, got {self.max_logprobs}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        self._check_lora()
         if self.kv_cache_space is None:
             self.kv_cache_space = env_kv_cache_space()
             self.kv_cache_space_default = self.kv_cache_space is None and self.num_kv_blocks is None

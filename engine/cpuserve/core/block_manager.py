@@ -54,7 +54,7 @@ class BlockManager:
 
     # -- prefix cache ---------------------------------------------------------------
     def _block_hashes(self, seq: Sequence, num_full: int) -> list[int]:
-        hashes, parent = [], None
+        hashes, parent = [], seq.cache_root
         for i in range(num_full):
             parent = chain_hash(parent, tuple(seq.block_tokens(i, self.block_size)))
             hashes.append(parent)
@@ -125,7 +125,7 @@ class BlockManager:
             return
         num_full = seq.num_computed_tokens // self.block_size
         start = seq.num_hashed_blocks  # blocks before it are registered already: no rewalk per step
-        parent = self.blocks[seq.block_table[start - 1]].hash if start else None
+        parent = self.blocks[seq.block_table[start - 1]].hash if start else seq.cache_root
         for i in range(start, num_full):
             block = self.blocks[seq.block_table[i]]
             if block.hash is not None:  # a prefix-cache hit, or shared with another sequence

@@ -24,7 +24,7 @@ _ids = itertools.count()
 
 class Sequence:
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str = "",
-                 index: int = 0, arrival: float = 0.0):
+                 index: int = 0, arrival: float = 0.0, lora: str | None = None):
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
         self.seq_id = next(_ids)
@@ -50,6 +50,9 @@ class Sequence:
         self.generator = None              # per-sequence torch.Generator when seeded
         self.first_scheduled: float | None = None
         self.matcher = None                # the output constraint's parser state (structured output)
+        self.lora = lora                   # the LoRA adapter's name; None: the base model
+        # where its prefix-cache hash chain starts: an adapter's KV differs from the base model's
+        self.cache_root = None if lora is None else hash(("lora", lora))
 
     def __len__(self) -> int:
         return len(self.token_ids)

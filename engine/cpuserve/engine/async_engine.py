@@ -190,7 +190,8 @@ class AsyncEngine:
             raise RequestRejected(f"request id {request_id!r} is already in use")
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, lora: str | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as they come; `lora`: a loaded LoRA adapter's name (None: the base model)."""
         self._admit(request_id)
         if prompt_token_ids and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.info.vocab_size):
             raise RequestRejected(f"prompt token ids must be in [0, {self.info.vocab_size})")
@@ -200,7 +201,8 @@ class AsyncEngine:
         self.output.add_request(request_id, prompt, prompt_token_ids, params)
         finished = False
         try:
-            await self._send(cp.ADD, request_id, prompt_token_ids, params, time.monotonic())
+            await self._send(cp.ADD, request_id, prompt_token_ids, params, time.monotonic(),
+                             *([lora] if lora is not None else []))
             self._unscheduled += 1
             while True:
                 item = await q.get()

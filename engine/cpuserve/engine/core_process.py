@@ -108,9 +108,9 @@ def busy_loop(core, channel, parent: int) -> None:
 def handle(core, send, kind: str, *payload) -> bool:
     """Applies one message from the API process; False on SHUTDOWN."""
     if kind == ADD:
-        request_id, ids, params, arrival = payload
+        request_id, ids, params, arrival, *lora = payload  # (a generation request's LoRA adapter, if any)
         try:
-            core.add_request(request_id, ids, params, arrival)
+            core.add_request(request_id, ids, params, arrival, *lora)
         except ValueError as e:
             send(REJECTED, request_id, str(e))
     elif kind == ABORT:

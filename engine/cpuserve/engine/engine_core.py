@@ -56,14 +56,17 @@ class EngineCore:
         self.scheduler.check_admissible(len(prompt_token_ids), params.max_tokens)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival: float | None = None) -> None:
+                    arrival: float | None = None, lora: str | None = None) -> None:
+        """`lora`: the name of a loaded LoRA adapter the request runs with (None: the base model)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
+        if lora is not None and lora not in self.runner.loras:
+            raise ValueError(f"no LoRA adapter {lora!r} is loaded (loaded: {sorted(self.runner.loras) or 'none'})")
         now = time.monotonic() if arrival is None else arrival
         req = _Request()
         for i in range(params.n):
-            seq = Sequence(prompt_token_ids, params, request_id, i, now)
+            seq = Sequence(prompt_token_ids, params, request_id, i, now, lora)
             if params.structured is not None:
                 seq.matcher = self._compiler().matcher(params.structured)
             if not params.greedy:

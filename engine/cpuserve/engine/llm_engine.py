@@ -39,13 +39,14 @@ class LLMEngine:
     max_model_len = property(lambda self: self.core.max_model_len)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    final_only: bool = False) -> None:
-        """final_only: step() returns the request's output only once it finished (OutputProcessor)."""
+                    final_only: bool = False, lora: str | None = None) -> None:
+        """final_only: step() returns the request's output only once it finished (OutputProcessor);
+        lora: a loaded LoRA adapter's name (runner.add_lora)."""
         if self.task != "generate":
             raise ValueError(f"{self.core.runner.model_dir} is {_IS[self.task]}")
         params = params or self.defaults.as_sampling_params()
         text, ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
-        self.core.add_request(request_id, ids, params)
+        self.core.add_request(request_id, ids, params, lora=lora)
         self.output.add_request(request_id, text, ids, params, final_only)
 
     def abort_request(self, request_id: str) -> None:

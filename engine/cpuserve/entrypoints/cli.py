@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from cpuserve.config import QUANTIZATIONS
+from cpuserve.core.lora_request import parse_modules
 from cpuserve.entrypoints.openai.reasoning import PARSERS as REASONING_PARSERS
 
 SERVE_BATCHED_TOKENS = 512
@@ -63,6 +64,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "or a directory holding a generation_config.json")
     p.add_argument("--override-generation-config", type=_json_object, default=None,
                    help='JSON object over the generation config\'s defaults, e.g. \'{"temperature": 0.5}\'')
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT directories) beside the base model; requests name one as their model")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help='the adapters loaded at start: name=path, or a JSON object {"name": ..., "path": ...}')
+    p.add_argument("--max-loras", type=int, default=8, help="the most adapters loaded at once (default 8)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted (default 16)")
     p.add_argument("--hf-overrides", type=_json_object, default=None,
                    help="JSON object merged over the model's config.json (vLLM's), e.g. a Qwen3 reranker as a "
                         "classifier: '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
@@ -78,8 +85,9 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 enable_prefix_caching=a.enable_prefix_caching, enable_chunked_prefill=a.enable_chunked_prefill,
                 seed=a.seed, tensor_parallel_size=a.tensor_parallel_size, runner=a.runner,
                 generation_config=a.generation_config, override_generation_config=a.override_generation_config,
-                hf_overrides=a.hf_overrides,
-                max_logprobs=a.max_logprobs)
+                hf_overrides=a.hf_overrides, enable_lora=a.enable_lora,
+                lora_modules=parse_modules(a.lora_modules) or None, max_loras=a.max_loras,
+                max_lora_rank=a.max_lora_rank, max_logprobs=a.max_logprobs)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

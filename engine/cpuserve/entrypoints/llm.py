@@ -17,6 +17,7 @@ from typing import Sequence as Seq
 from cpuserve.config import EngineConfig
 from cpuserve.engine.llm_engine import LLMEngine
 from cpuserve.engine.outputs import EmbeddingOutput, RequestOutput, logprob_entry
+from cpuserve.core.lora_request import LoRARequest
 from cpuserve.core.sampling_params import SamplingParams
 from cpuserve.entrypoints.scoring import (ClassificationOutput, ClassificationRequestOutput, ClassifierHead,
                                          ScoringOutput, ScoringRequestOutput, cosine, pairs)
@@ -81,9 +82,12 @@ class LLM:
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """vLLM's LLM.generate: one RequestOutput per prompt, in order. `use_tqdm`: a progress bar of
-        finished requests (vLLM shows one by default; here it is asked for)."""
+        finished requests (vLLM shows one by default; here it is asked for). `lora_request`: the
+        LoRA adapter of every prompt, or one per prompt (None: the base model); each is loaded on
+        its first use (the engine needs enable_lora=True)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -93,15 +97,16 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        loras = self._loras(lora_request, len(prompts))
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 rid = f"offline-{next(self._ids)}"
                 if isinstance(prompt, dict):
                     if "prompt_token_ids" not in prompt and "prompt" not in prompt:
                         raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
                     prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
-                self.engine.add_request(rid, prompt, p, final_only=True)
+                self.engine.add_request(rid, prompt, p, final_only=True, lora=lora)
                 ids.append(rid)
             return self._logprob_objects(self._run(ids, use_tqdm), params)
         except BaseException:
@@ -109,10 +114,21 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
 
+    def _loras(self, lora_request, n: int) -> list[str | None]:
+        """Each prompt's adapter name, the adapters loaded (once each) before any request starts."""
+        reqs = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * n
+        if len(reqs) != n:
+            raise ValueError(f"{len(reqs)} LoRA requests for {n} prompts")
+        for r in reqs:
+            if r is not None:
+                self.engine.runner.add_lora(r.lora_name, r.lora_path)
+        return [None if r is None else r.lora_name for r in reqs]
+
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True, chat_template: str | None = None,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+             tools: list[dict] | None = None, use_tqdm: bool = False,
+             lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: each conversation through the chat template (with `tools`, OpenAI-shaped
         function definitions, as template variables), its last message answered, or
         (continue_final_message, with add_generation_prompt False) continued."""
@@ -122,7 +138,7 @@ class LLM:
         prompts = [tok.encode(apply_chat_template(tok, conv, add_generation_prompt, chat_template,
                                                   continue_final_message, **variables),
                               add_special_tokens=False) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _logprob_objects(self, outs: list[RequestOutput], params: list[SamplingParams]) -> list[RequestOutput]:
         """Logprobs entries as vLLM's {token id: Logprob} (floats with .logprob, .rank, .decoded_token)."""

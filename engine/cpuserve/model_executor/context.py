@@ -19,6 +19,7 @@ class ForwardContext:
     query_start_loc: torch.Tensor  # int32 [S+1]: token offsets of each sequence
     logits_indices: torch.Tensor   # int64 [R]: tokens whose logits are sampled
     every_token_samples: bool = False  # R == T, every token's row in order: no gather of the rows
+    lora: object | None = None     # model_executor.lora.LoRABatch: the adapters' rows; None: none adapted
 
 
 _CONTEXT: ForwardContext | None = None

@@ -18,6 +18,7 @@ from cpuserve.loading.model_loader import checkpoint_quantization, load_config, 
     safetensors_header
 from cpuserve.model_executor import models, ops
 from cpuserve.model_executor.context import ForwardContext, set_context
+from cpuserve.model_executor.lora import lora_batch
 from cpuserve.model_executor.models.common import Weights
 from cpuserve.model_executor.parallel import TPGroup
 from cpuserve.platform import pages
@@ -208,6 +209,9 @@ class ModelRunner:
             self._abort_ranks(e)
             raise
         self.sampler = Sampler(eos_token_ids(self.hf_config))
+        self.loras: dict = {}  # name -> loading.lora.LoRAAdapter
+        for name, path in (config.lora_modules or {}).items():
+            self.add_lora(name, path)
         self.malloc = tune_malloc()  # after loading: the weights' temporaries go back to the kernel as before
         self.load_seconds = time.perf_counter() - t0
         log.info("rank %d/%d loaded %s (%s) in %.2fs: dtype=%s kv=%s blocks=%d x %d tokens, max_model_len=%d",
@@ -326,10 +330,32 @@ class ModelRunner:
 
     # -- one step -------------------------------------------------------------------
     @torch.inference_mode()
+    def add_lora(self, name: str, path: str) -> None:
+        """Loads a LoRA adapter under `name` (--lora-modules, or an offline LoRARequest's first use)."""
+        from cpuserve.loading.lora import load_adapter
+        from cpuserve.model_executor.lora import check_shapes
+
+        if not self.config.enable_lora:
+            raise ValueError("LoRA adapters need enable_lora=True (--enable-lora)")
+        if name in self.loras:
+            return
+        if not getattr(self.model, "supports_lora", False):
+            raise ValueError(f"LoRA adapters are applied to Llama, Mistral and Qwen decoders, not "
+                             f"{type(self.model).__name__}")
+        if len(self.loras) >= self.config.max_loras:
+            raise ValueError(f"{len(self.loras)} LoRA adapters are loaded: max_loras={self.config.max_loras}")
+        adapter = load_adapter(name, path, self.hf_config.num_hidden_layers, self.config.max_lora_rank)
+        check_shapes(adapter, self.hf_config)
+        self.loras[name] = adapter
+        log.info("LoRA adapter %s from %s: rank %d, scaling %g, %d layers, %.1f MiB", name, path, adapter.rank,
+                 adapter.scaling, len(adapter.layers), adapter.nbytes() / 2**20)
+
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[dict | None]]:
         """Runs the model on the batch; returns the sequences that sampled, their tokens and logprobs."""
         decode = self.decode_inputs(batch)
         input_ids, ctx, samplers = decode or prepare_inputs(batch, self.block_size)
+        if self.loras:  # the adapters' rows; None (the native path) where the step has none
+            ctx.lora = lora_batch(self.loras, [s.lora for s in batch.seqs], ctx.query_start_loc.tolist())
         prompt_rows = [] if decode else prompt_logprob_rows(batch)
         if samplers and not prompt_rows and self.ranks is None and self.model.lm_head.greedy_copy is not None \
                 and self.sampler.plain(samplers):

@@ -43,7 +43,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, opts: ServeOptions = 
                                    tool_call_parser=opts.tool_call_parser,
                                    prompt_tokens_details=opts.prompt_tokens_details, force_usage=opts.force_usage,
                                    tokens_as_ids=opts.tokens_as_ids, log_requests=opts.log_requests,
-                                   reasoning_parser=opts.reasoning_parser, aliases=opts.model_aliases)
+                                   reasoning_parser=opts.reasoning_parser, aliases=opts.model_aliases,
+                                   loras=tuple(engine.config.lora_modules or {}))
     app.add_middleware(RequestContext, st=app.state.server, max_body_bytes=opts.max_request_body_bytes,
                        access_log=opts.access_log)
     # outermost: a preflight is answered before the API key is asked for, and every answer (a 401

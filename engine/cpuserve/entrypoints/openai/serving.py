@@ -63,6 +63,15 @@ class ServerState:
     log_requests: RequestLog | None = None  # --enable-log-requests / --enable-log-outputs
     reasoning_parser: str | None = None  # --reasoning-parser: chat answers' reasoning_content (reasoning.py)
     aliases: tuple[str, ...] = ()  # --served-model-name's further names, which requests may use
+    loras: tuple[str, ...] = ()  # --lora-modules' names: a request naming one as its model runs with it
+
+    def adapter(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names, or None (the base model)."""
+        return name if name and name in self.loras else None
+
+    def model_name(self, name: str | None) -> str:
+        """The model an answer names: the adapter the request ran with, else the served model."""
+        return self.adapter(name) or self.served_model_name
 
     def token_text(self, as_ids: bool | None) -> TokenText:
         """How a request's logprobs name tokens: its return_tokens_as_token_ids, else the server's."""
@@ -79,8 +88,8 @@ class ServerState:
     def check_model(self, name: str | None, task: str | tuple[str, ...] | None = "generate") -> None:
         """404 for another model's name; 400 for a route the model's task (or tasks) does not serve
         (None: any)."""
-        if name not in (None, "", self.served_model_name, *self.aliases):
-            served = ", ".join(f"`{n}`" for n in (self.served_model_name, *self.aliases))
+        if name not in (None, "", self.served_model_name, *self.aliases, *self.loras):
+            served = ", ".join(f"`{n}`" for n in (self.served_model_name, *self.aliases, *self.loras))
             raise APIError(404, f"the model `{name}` does not exist (served: {served})",
                            "not_found_error", "model")
         tasks = (task,) if isinstance(task, str) else task
@@ -203,9 +212,10 @@ def prompt_logprobs_json(out, top: int, tokenizer) -> list[dict | None]:
 Prompt = tuple[str | None, list[int], SamplingParams]
 
 
-async def generate(request: Request, prompts: list[Prompt], stream_fn, final_fn, stream: bool) -> Response:
-    """Starts one engine request per prompt. Streams through stream_fn(base_id, items),
-    or gathers every final output and answers final_fn(base_id, outputs)."""
+async def generate(request: Request, prompts: list[Prompt], stream_fn, final_fn, stream: bool,
+                   lora: str | None = None) -> Response:
+    """Starts one engine request per prompt (with the LoRA adapter `lora`, if any). Streams through
+    stream_fn(base_id, items), or gathers every final output and answers final_fn(base_id, outputs)."""
     st = server_state(request)
     base = f"{request.state.request_id}-{uuid.uuid4().hex[:8]}"
     vocab = st.engine.info.vocab_size
@@ -223,7 +233,7 @@ async def generate(request: Request, prompts: list[Prompt], stream_fn, final_fn,
     if st.log_requests is not None:
         for i, (text, ids, params) in enumerate(prompts):
             st.log_requests.started(f"{base}-{i}", st.tokenizer.decode(ids) if text is None else text, ids, params)
-    gens = [track(st, st.engine.generate(f"{base}-{i}", text, ids, params), f"{base}-{i}")
+    gens = [track(st, st.engine.generate(f"{base}-{i}", text, ids, params, lora), f"{base}-{i}")
             for i, (text, ids, params) in enumerate(prompts)]
     if stream:
         return StreamingResponse(stream_fn(base, await first_then_rest(gens)), media_type="text/event-stream")

@@ -16,6 +16,7 @@ from cpuserve.model_executor.models.common import CausalLM, Weights, attention_p
 class LlamaDecoderLayer:
     def __init__(self, c, i: int, w: Weights, dtype: torch.dtype, tp: TPGroup, rotary: RotaryEmbedding):
         p = f"model.layers.{i}."
+        self.index = i
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.qkv, self.o_proj = attention_projections(w, p, self.head_dim, dtype, tp)
         qn, kn = w.take_optional(p + "self_attn.q_norm.weight"), w.take_optional(p + "self_attn.k_norm.weight")
@@ -37,23 +38,43 @@ class LlamaDecoderLayer:
             lin.in_perm is None for lin in (self.qkv, self.o_proj, self.gate_up, self.down))
 
     def __call__(self, positions, h, residual):
+        lora = get_context().lora
         if residual is None:
             residual = h
             h = self.input_norm(h)
         else:
             h, residual = self.input_norm(h, residual)
-        q, k, v = self.qkv.split(self.qkv(h))
+        qkv = self.qkv(h)
+        if lora is not None:
+            lora.apply(self.index, "qkv", h, qkv, (self.qkv.q_size, self.qkv.kv_size, self.qkv.kv_size))
+        q, k, v = self.qkv.split(qkv)
         if self.q_norm is not None:
             q = self.q_norm.heads(q, self.head_dim)
             k = self.k_norm.heads(k, self.head_dim)
         self.rotary(positions, q, k)
-        h = self.o_proj(self.attn(q, k, v))
+        h = self.attn(q, k, v)
+        if lora is None:
+            h = self.o_proj(h)
+            h, residual = self.post_attn_norm(h, residual)
+            return self.down(self.gate_up.silu_and_mul(h)), residual
+        return self._mlp_with_lora(lora, h, residual)
+
+    def _mlp_with_lora(self, lora, a: torch.Tensor, residual: torch.Tensor):
+        """The rest of the layer, each projection's output updated by the step's adapters."""
+        h = self.o_proj(a)
+        lora.apply(self.index, "o", a, h, (h.shape[1],))
         h, residual = self.post_attn_norm(h, residual)
-        h = self.down(self.gate_up.silu_and_mul(h))
-        return h, residual
+        gu = self.gate_up(h)
+        lora.apply(self.index, "gate_up", h, gu, (gu.shape[1] // 2, gu.shape[1] // 2))
+        act = torch.nn.functional.silu(gu[:, :gu.shape[1] // 2]) * gu[:, gu.shape[1] // 2:]
+        out = self.down(act)
+        lora.apply(self.index, "down", act, out, (out.shape[1],))
+        return out, residual
 
 
 class LlamaForCausalLM(CausalLM):
+    supports_lora = True  # the layers apply a step's LoRA updates (model_executor/lora.py)
+
     def __init__(self, config, weights: Weights, dtype: torch.dtype, tp: TPGroup):
         c = config
         act = getattr(c, "hidden_act", "silu")
@@ -73,7 +94,7 @@ class LlamaForCausalLM(CausalLM):
 
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        native = native_step.decoder_for(self)
+        native = native_step.decoder_for(self) if get_context().lora is None else None
         if native is not None:  # the same kernels in one native call
             return native(input_ids, positions, get_context())
         h, residual = self.embed(input_ids), None

@@ -35,7 +35,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     params = sampling_params(req.sampling_params, max_tokens, top if req.logprobs else None, structured,
                              defaults=st.defaults)
     view = ChatView(st, req, params, top, len(ids), mode)
-    return await generate(request, [(None, ids, params)], view.stream, view.final, req.stream)
+    return await generate(request, [(None, ids, params)], view.stream, view.final, req.stream,
+                          st.adapter(req.model))
 
 
 def tool_mode(req: ChatCompletionRequest, st: ServerState) -> str:
@@ -61,6 +62,7 @@ class ChatView:
     def __init__(self, st: ServerState, req: ChatCompletionRequest, params: SamplingParams, top: int,
                  prompt_tokens: int, mode: str = "none"):
         self.st, self.params, self.top, self.prompt_tokens, self.mode = st, params, top, prompt_tokens, mode
+        self.model = st.model_name(req.model)  # the adapter the request named, else the served model
         self.stream_usage = req.stream_usage(st.force_usage)
         self.token_text = st.token_text(req.return_tokens_as_token_ids)
         self.prompt_top = req.prompt_logprobs  # the answer carries the prompt's
@@ -98,7 +100,7 @@ class ChatView:
         return msg, self.finish_reason(ts, c.finish_reason)
 
     def head(self, base: str, obj: str) -> dict:
-        return {"id": f"chatcmpl-{base}", "object": obj, "created": self.created, "model": self.st.served_model_name}
+        return {"id": f"chatcmpl-{base}", "object": obj, "created": self.created, "model": self.model}
 
     def logprobs(self, comp, start: int, end: int) -> dict | None:
         if comp.logprobs is None:

@@ -35,8 +35,9 @@ async def completions(req: CompletionRequest, request: Request):
     params = sampling_params(req.sampling_params, max(1, req.max_tokens) if req.max_tokens is not None else None,
                              req.logprobs, spec, req.logprobs if req.echo else None, defaults=st.defaults)
     view = CompletionView(st, params, req.stream_usage(st.force_usage), Echo(req.echo, req.max_tokens == 0),
-                          req.prompt_logprobs, req.return_tokens_as_token_ids)
-    return await generate(request, [(t, ids, params) for t, ids in prompts], view.stream, view.final, req.stream)
+                          req.prompt_logprobs, req.return_tokens_as_token_ids, req.model)
+    return await generate(request, [(t, ids, params) for t, ids in prompts], view.stream, view.final, req.stream,
+                          st.adapter(req.model))
 
 
 def refuse_unsupported(req: CompletionRequest) -> None:
@@ -104,15 +105,17 @@ class CompletionView:
     Choice index = prompt index * n + the completion's own index."""
 
     def __init__(self, st: ServerState, params: SamplingParams, stream_usage: StreamUsage = StreamUsage(),
-                 echo: Echo = Echo(), prompt_top: int | None = None, tokens_as_ids: bool | None = None):
+                 echo: Echo = Echo(), prompt_top: int | None = None, tokens_as_ids: bool | None = None,
+                 model: str | None = None):
         self.st, self.params, self.stream_usage, self.echo = st, params, stream_usage, echo
+        self.model = st.model_name(model)  # the adapter the request named, else the served model
         self.prompt_top = prompt_top  # the request's prompt_logprobs: each choice carries its prompt's
         self.token_text = st.token_text(tokens_as_ids)
         self.created = now()
 
     def head(self, base: str) -> dict:
         return {"id": f"cmpl-{base}", "object": "text_completion", "created": self.created,
-                "model": self.st.served_model_name}
+                "model": self.model}
 
     def logprobs(self, comp, start: int, end: int, offset0: int) -> dict | None:
         if comp.logprobs is None:

@@ -36,7 +36,8 @@ async def responses(req: ResponsesRequest, request: Request):
     params = sampling_params(req.sampling_params, max(1, st.engine.info.max_model_len - len(ids)), structured,
                              st.defaults)
     view = ResponseView(st, req, params, len(ids), mode)
-    return await generate(request, [(None, ids, params)], view.stream, view.final, req.stream)
+    return await generate(request, [(None, ids, params)], view.stream, view.final, req.stream,
+                          st.adapter(req.model))
 
 
 def function_tools(req: ResponsesRequest, st: ServerState) -> tuple[list | None, str]:
@@ -79,7 +80,7 @@ class ResponseView:
         return {"id": f"resp_{base}", "object": "response", "created_at": self.created, "status": status,
                 "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
                 "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
-                "model": self.st.served_model_name, "output": output or [],
+                "model": self.st.model_name(self.req.model), "output": output or [],
                 "parallel_tool_calls": r.parallel_tool_calls is not False, "previous_response_id": None,
                 "reasoning": None, "store": False, "temperature": self.params.temperature,
                 "text": {"format": r.format}, "tool_choice": r.tool_choice or ("auto" if r.tools else "none"),

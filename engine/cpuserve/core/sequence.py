@@ -24,7 +24,7 @@ _ids = itertools.count()
 
 class Sequence:
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str = "",
-                 index: int = 0, arrival: float = 0.0, lora: str | None = None):
+                 index: int = 0, arrival: float = 0.0, lora: str | None = None, lora_serial: int = 0):
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
         self.seq_id = next(_ids)
@@ -52,7 +52,7 @@ class Sequence:
         self.matcher = None                # the output constraint's parser state (structured output)
         self.lora = lora                   # the LoRA adapter's name; None: the base model
         # where its prefix-cache hash chain starts: an adapter's KV differs from the base model's
-        self.cache_root = None if lora is None else hash(("lora", lora))
+        self.cache_root = None if lora is None else hash(("lora", lora, lora_serial))
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -5,6 +5,7 @@ ends with EngineDeadError and `dead` is set (health turns 503)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import multiprocessing
 import time
@@ -88,6 +89,8 @@ class AsyncEngine:
         self._queues: dict[str, Mailbox] = {}
         self._unscheduled = 0  # requests sent since the last stats snapshot
         self.listeners = []    # callables(RequestOutput, CoreStats) for metrics
+        self._tickets = itertools.count()
+        self._lora_waits: dict[int, asyncio.Future] = {}  # LoRA changes sent to the core, by ticket
 
     # -- lifecycle ------------------------------------------------------------------
     def launch(self) -> None:
@@ -243,6 +246,19 @@ class AsyncEngine:
             if not done and not self.dead:
                 await self._send(cp.ABORT, request_id)
 
+    async def change_lora(self, op: str, name: str, path: str | None = None) -> tuple[int, str] | None:
+        """Loads ("load") or unloads ("unload") a LoRA adapter in the engine core, between its steps:
+        None once done, or the HTTP status and message of why not."""
+        if self.dead:
+            raise EngineDeadError(self.dead_reason)
+        ticket = next(self._tickets)
+        done = self._lora_waits[ticket] = asyncio.get_running_loop().create_future()
+        try:
+            await self._send(cp.LORA, ticket, op, name, path)
+            return await done
+        finally:
+            self._lora_waits.pop(ticket, None)
+
     async def _send(self, *msg) -> None:
         """Sends to the core; if it is gone, fails every in-flight request (as _watch_process
         would a moment later) instead of raising here."""
@@ -276,6 +292,10 @@ class AsyncEngine:
                         q.put(ro)
                     for listener in self.listeners:
                         listener(ro, outputs)
+            elif kind == cp.LORA_DONE:
+                ticket, result = payload
+                if (f := self._lora_waits.get(ticket)) is not None and not f.done():
+                    f.set_result(result)
             elif kind == cp.REJECTED:
                 rid, msg = payload
                 self.output.abort_request(rid)
@@ -302,5 +322,8 @@ class AsyncEngine:
         log.error("%s: failing %d in-flight requests", reason, len(self._queues))
         for q in self._queues.values():
             q.put(EngineDeadError(reason))
+        for f in self._lora_waits.values():
+            if not f.done():
+                f.set_exception(EngineDeadError(reason))
         if self.on_dead is not None:
             self.on_dead(reason)

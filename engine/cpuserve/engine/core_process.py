@@ -19,8 +19,10 @@ log = logging.getLogger("cpuserve.core")
 
 # request kinds (API -> core)
 ADD, ABORT, STOP_SEQ, SHUTDOWN = "add", "abort", "stop_seq", "shutdown"
+LORA = "lora"  # (ticket, "load" | "unload", name, path): a LoRA adapter loaded or unloaded at run time
 # message kinds (core -> API); RESOLVED: the model's directory, before its weights are loaded
 RESOLVED, READY, OUTPUTS, REJECTED, FATAL = "resolved", "ready", "outputs", "rejected", "fatal"
+LORA_DONE = "lora_done"  # (ticket, None or (status, message)): a LORA message applied, or why not
 
 
 def bound_ranks(runner) -> list[dict]:
@@ -117,6 +119,21 @@ def handle(core, send, kind: str, *payload) -> bool:
         core.abort_request(payload[0])
     elif kind == STOP_SEQ:
         core.stop_sequence(*payload)
+    elif kind == LORA:
+        send(LORA_DONE, payload[0], lora_change(core, *payload[1:]))
     elif kind == SHUTDOWN:
         return False
     return True
+
+
+def lora_change(core, op: str, name: str, path: str | None) -> tuple[int, str] | None:
+    """Applies a LORA message: None, or the HTTP status and message of why not."""
+    if not hasattr(core, "load_lora"):
+        return 400, "an embedding or classification model serves no LoRA adapters"
+    try:
+        core.load_lora(name, path) if op == "load" else core.unload_lora(name)
+    except KeyError as e:
+        return 404, e.args[0]
+    except (ValueError, OSError) as e:
+        return 400, str(e)
+    return None

@@ -66,7 +66,8 @@ class EngineCore:
         now = time.monotonic() if arrival is None else arrival
         req = _Request()
         for i in range(params.n):
-            seq = Sequence(prompt_token_ids, params, request_id, i, now, lora)
+            seq = Sequence(prompt_token_ids, params, request_id, i, now, lora,
+                           self.runner.loras[lora].serial if lora is not None else 0)
             if params.structured is not None:
                 seq.matcher = self._compiler().matcher(params.structured)
             if not params.greedy:
@@ -75,6 +76,21 @@ class EngineCore:
             req.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = req
+
+    def load_lora(self, name: str, path: str) -> None:
+        """A LoRA adapter loaded at run time (the server's /v1/load_lora_adapter)."""
+        if name in self.runner.loras:
+            raise ValueError(f"The lora adapter '{name}' has already been loaded.")
+        self.runner.add_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Unloads an adapter no request is running with; its cached blocks are never matched again."""
+        if name not in self.runner.loras:
+            raise KeyError(f"The lora adapter '{name}' cannot be found.")
+        busy = sum(1 for r in self.requests.values() if any(s.lora == name for s in r.seqs))
+        if busy:
+            raise ValueError(f"the lora adapter '{name}' is in use by {busy} request(s)")
+        self.runner.remove_lora(name)
 
     def _compiler(self):
         if self._grammars is None:

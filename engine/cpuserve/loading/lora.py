@@ -31,6 +31,7 @@ class LoRAAdapter:
     scaling: float
     # layer index -> projection name (q_proj ...) -> (A [r, in], B [out, r] times the scaling), float32
     layers: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    serial: int = 0  # set by the runner at load: this load's identity (the prefix cache's key)
 
     def nbytes(self) -> int:
         return sum(t.numel() * 4 for mods in self.layers.values() for pair in mods.values() for t in pair)

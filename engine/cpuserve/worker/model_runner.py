@@ -3,6 +3,7 @@ cache, and runs one scheduled batch per step. Input preparation lives in
 input_batch.py, the cache in kv_cache.py, the other ranks in tp_ranks.py."""
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -179,6 +180,9 @@ def loaded_weight_bytes(model_dir: Path, hf_config, dtype: torch.dtype, quantiza
     return total + head_bytes_beyond_files(vocab, hidden, elem, tied, ranks, greedy)
 
 
+_LORA_SERIALS = itertools.count(1)
+
+
 class ModelRunner:
     """One rank's model and KV cache. Rank 0 (the only rank without tensor
     parallelism) also binds itself and starts and drives the other ranks."""
@@ -338,6 +342,8 @@ class ModelRunner:
         if not self.config.enable_lora:
             raise ValueError("LoRA adapters need enable_lora=True (--enable-lora)")
         if name in self.loras:
+            if self.loras[name].path != str(path):
+                raise ValueError(f"a LoRA adapter named {name!r} is loaded from {self.loras[name].path}, not {path}")
             return
         if not getattr(self.model, "supports_lora", False):
             raise ValueError(f"LoRA adapters are applied to Llama, Mistral and Qwen decoders, not "
@@ -346,9 +352,16 @@ class ModelRunner:
             raise ValueError(f"{len(self.loras)} LoRA adapters are loaded: max_loras={self.config.max_loras}")
         adapter = load_adapter(name, path, self.hf_config.num_hidden_layers, self.config.max_lora_rank)
         check_shapes(adapter, self.hf_config)
+        adapter.serial = next(_LORA_SERIALS)  # keys its prefix-cache blocks: a name loaded again is new
         self.loras[name] = adapter
         log.info("LoRA adapter %s from %s: rank %d, scaling %g, %d layers, %.1f MiB", name, path, adapter.rank,
                  adapter.scaling, len(adapter.layers), adapter.nbytes() / 2**20)
+
+    def remove_lora(self, name: str) -> None:
+        """Unloads an adapter (its requests must have finished: EngineCore checks)."""
+        if self.loras.pop(name, None) is None:
+            raise KeyError(name)
+        log.info("LoRA adapter %s unloaded", name)
 
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[dict | None]]:
         """Runs the model on the batch; returns the sequences that sampled, their tokens and logprobs."""

@@ -77,3 +77,23 @@ def test_what_cannot_be_applied_is_refused(llm, adapters, hf_model, tmp_path):
         llm.generate("x", GREEDY, lora_request=LoRARequest("head", 11, str(head)))
     with pytest.raises(ValueError, match="enable_lora"):
         LLM(dtype="float32", kv_cache_space=0.5).generate("x", GREEDY, lora_request=LoRARequest("all", 1, "/x"))
+
+
+def test_an_adapter_unloads_only_once_its_requests_are_done(llm, adapters):
+    core, path = llm.engine.core, str(adapters["attn"])
+    llm.engine.runner.add_lora("busy", path)
+    llm.engine.add_request("r-busy", "Hello there", GREEDY, lora="busy")
+    with pytest.raises(ValueError, match="in use by 1 request"):
+        core.unload_lora("busy")
+    serial = llm.engine.runner.loras["busy"].serial
+    llm.engine.abort_request("r-busy")
+    core.unload_lora("busy")
+    with pytest.raises(KeyError, match="cannot be found"):
+        core.unload_lora("busy")
+    core.load_lora("busy", path)  # loaded again: a new identity for the prefix cache
+    assert llm.engine.runner.loras["busy"].serial != serial
+    with pytest.raises(ValueError, match="already been loaded"):
+        core.load_lora("busy", path)
+    with pytest.raises(ValueError, match="is loaded from"):
+        llm.engine.runner.add_lora("busy", str(adapters["all"]))
+

@@ -17,8 +17,8 @@ import cpuserve
 from cpuserve.engine.async_engine import AsyncEngine
 from cpuserve.entrypoints.openai.errors import error_response, install_error_handlers
 from cpuserve.entrypoints.openai.metrics import Metrics
-from cpuserve.entrypoints.openai.routers import (chat, classify, completions, embeddings, health, models, responses,
-                                                 score, tokenize)
+from cpuserve.entrypoints.openai.routers import (chat, classify, completions, embeddings, health, lora, models,
+                                                 responses, score, tokenize)
 from cpuserve.entrypoints.openai.serving import ServerState
 from cpuserve.entrypoints.serve import ServeOptions
 
@@ -44,7 +44,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, opts: ServeOptions = 
                                    prompt_tokens_details=opts.prompt_tokens_details, force_usage=opts.force_usage,
                                    tokens_as_ids=opts.tokens_as_ids, log_requests=opts.log_requests,
                                    reasoning_parser=opts.reasoning_parser, aliases=opts.model_aliases,
-                                   loras=tuple(engine.config.lora_modules or {}))
+                                   loras=dict(engine.config.lora_modules or {}))
     app.add_middleware(RequestContext, st=app.state.server, max_body_bytes=opts.max_request_body_bytes,
                        access_log=opts.access_log)
     # outermost: a preflight is answered before the API key is asked for, and every answer (a 401
@@ -55,6 +55,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, opts: ServeOptions = 
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
+    if lora.runtime_updates_allowed():  # as vLLM: the routes exist only where allowed
+        app.include_router(lora.router)
     return app
 
 

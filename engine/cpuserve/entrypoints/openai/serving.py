@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
 from fastapi import Request
@@ -63,7 +63,9 @@ class ServerState:
     log_requests: RequestLog | None = None  # --enable-log-requests / --enable-log-outputs
     reasoning_parser: str | None = None  # --reasoning-parser: chat answers' reasoning_content (reasoning.py)
     aliases: tuple[str, ...] = ()  # --served-model-name's further names, which requests may use
-    loras: tuple[str, ...] = ()  # --lora-modules' names: a request naming one as its model runs with it
+    # LoRA adapters by name (--lora-modules, and those loaded at run time) -> their paths; a
+    # request naming one as its model runs with it
+    loras: dict[str, str] = field(default_factory=dict)
 
     def adapter(self, name: str | None) -> str | None:
         """The LoRA adapter a request's `model` names, or None (the base model)."""

@@ -16,7 +16,7 @@ def model_card(st, name: str) -> dict:
             "root": info.model_dir if info else None, "parent": None,
             "max_model_len": info.max_model_len if info else None}
     if st.adapter(name):
-        card.update(root=st.engine.config.lora_modules[name], parent=st.served_model_name)
+        card.update(root=st.loras[name], parent=st.served_model_name)
     return card
 
 

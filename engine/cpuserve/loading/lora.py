@@ -32,6 +32,7 @@ class LoRAAdapter:
     # layer index -> projection name (q_proj ...) -> (A [r, in], B [out, r] times the scaling), float32
     layers: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     serial: int = 0  # set by the runner at load: this load's identity (the prefix cache's key)
+    packed: dict = field(default_factory=dict)  # (layer, fused part) -> (A^T, B^T): model_executor.lora.pack
 
     def nbytes(self) -> int:
         return sum(t.numel() * 4 for mods in self.layers.values() for pair in mods.values() for t in pair)

@@ -17,24 +17,22 @@ FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("g
 
 @dataclass
 class LoRABatch:
-    groups: list[tuple[LoRAAdapter, torch.Tensor]]  # each adapter with its rows (int64) of the step
+    # each adapter with its rows (int64) of the step, and whether those are all of the step's rows
+    groups: list[tuple[LoRAAdapter, torch.Tensor, bool]]
 
-    def apply(self, layer: int, part: str, x: torch.Tensor, out: torch.Tensor, widths: tuple[int, ...]) -> None:
-        """Adds each adapter's update of `part` (its projections' output columns `widths` wide,
-        in FUSED's order) to `out` [rows, sum(widths)], in place, for the adapter's rows of `x`."""
-        for adapter, rows in self.groups:
-            mods = adapter.layers.get(layer)
-            if not mods:
+    def apply(self, layer: int, part: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Adds each adapter's update of `part` of `layer` to `out` [rows, features], in place, for
+        the adapter's rows of `x`: two small GEMMs over the part's packed factors (pack())."""
+        for adapter, rows, whole in self.groups:
+            factors = adapter.packed.get((layer, part))
+            if factors is None:
                 continue
-            xr = None
-            col = 0
-            for name, width in zip(FUSED[part], widths):
-                ab = mods.get(name)
-                if ab is not None:
-                    xr = x.index_select(0, rows).float() if xr is None else xr
-                    delta = (xr @ ab[0].T) @ ab[1].T
-                    out[:, col:col + width].index_add_(0, rows, delta.to(out.dtype))
-                col += width
+            xr = x if whole else x.index_select(0, rows)
+            delta = (xr.float() @ factors[0]) @ factors[1]
+            if whole:
+                out.add_(delta.to(out.dtype))
+            else:
+                out.index_add_(0, rows, delta.to(out.dtype))
 
 
 def lora_batch(adapters: dict[str, LoRAAdapter], names: list[str | None], query_start: list[int]) -> LoRABatch | None:
@@ -46,7 +44,31 @@ def lora_batch(adapters: dict[str, LoRAAdapter], names: list[str | None], query_
             rows.setdefault(name, []).extend(range(query_start[i], query_start[i + 1]))
     if not rows:
         return None
-    return LoRABatch([(adapters[n], torch.tensor(r, dtype=torch.int64)) for n, r in rows.items()])
+    total = query_start[-1]
+    return LoRABatch([(adapters[n], torch.tensor(r, dtype=torch.int64), len(r) == total) for n, r in rows.items()])
+
+
+def pack(adapter: LoRAAdapter, cfg) -> None:
+    """Each fused part's factors as one pair, so that a part costs two GEMMs whatever it adapts:
+    A^T of the part's projections side by side [in, sum of ranks], and B^T block-diagonal
+    [sum of ranks, the part's output features], zero where a projection is not adapted."""
+    shapes = projection_shapes(cfg)
+    adapter.packed = {}
+    for layer, mods in adapter.layers.items():
+        for part, names in FUSED.items():
+            present = [n for n in names if n in mods]
+            if not present:
+                continue
+            a_t = torch.cat([mods[n][0] for n in present]).T.contiguous()
+            b_t = torch.zeros(a_t.shape[1], sum(shapes[n][0] for n in names))
+            r = col = 0
+            for n in names:
+                if n in mods:
+                    b = mods[n][1]
+                    b_t[r:r + b.shape[1], col:col + b.shape[0]] = b.T
+                    r += b.shape[1]
+                col += shapes[n][0]
+            adapter.packed[(layer, part)] = (a_t, b_t)
 
 
 def projection_shapes(cfg) -> dict[str, tuple[int, int]]:

@@ -337,7 +337,7 @@ class ModelRunner:
     def add_lora(self, name: str, path: str) -> None:
         """Loads a LoRA adapter under `name` (--lora-modules, or an offline LoRARequest's first use)."""
         from cpuserve.loading.lora import load_adapter
-        from cpuserve.model_executor.lora import check_shapes
+        from cpuserve.model_executor.lora import check_shapes, pack
 
         if not self.config.enable_lora:
             raise ValueError("LoRA adapters need enable_lora=True (--enable-lora)")
@@ -352,6 +352,7 @@ class ModelRunner:
             raise ValueError(f"{len(self.loras)} LoRA adapters are loaded: max_loras={self.config.max_loras}")
         adapter = load_adapter(name, path, self.hf_config.num_hidden_layers, self.config.max_lora_rank)
         check_shapes(adapter, self.hf_config)
+        pack(adapter, self.hf_config)
         adapter.serial = next(_LORA_SERIALS)  # keys its prefix-cache blocks: a name loaded again is new
         self.loras[name] = adapter
         log.info("LoRA adapter %s from %s: rank %d, scaling %g, %d layers, %.1f MiB", name, path, adapter.rank,

@@ -46,7 +46,7 @@ class LlamaDecoderLayer:
             h, residual = self.input_norm(h, residual)
         qkv = self.qkv(h)
         if lora is not None:
-            lora.apply(self.index, "qkv", h, qkv, (self.qkv.q_size, self.qkv.kv_size, self.qkv.kv_size))
+            lora.apply(self.index, "qkv", h, qkv)
         q, k, v = self.qkv.split(qkv)
         if self.q_norm is not None:
             q = self.q_norm.heads(q, self.head_dim)
@@ -62,13 +62,13 @@ class LlamaDecoderLayer:
     def _mlp_with_lora(self, lora, a: torch.Tensor, residual: torch.Tensor):
         """The rest of the layer, each projection's output updated by the step's adapters."""
         h = self.o_proj(a)
-        lora.apply(self.index, "o", a, h, (h.shape[1],))
+        lora.apply(self.index, "o", a, h)
         h, residual = self.post_attn_norm(h, residual)
         gu = self.gate_up(h)
-        lora.apply(self.index, "gate_up", h, gu, (gu.shape[1] // 2, gu.shape[1] // 2))
+        lora.apply(self.index, "gate_up", h, gu)
         act = torch.nn.functional.silu(gu[:, :gu.shape[1] // 2]) * gu[:, gu.shape[1] // 2:]
         out = self.down(act)
-        lora.apply(self.index, "down", act, out, (out.shape[1],))
+        lora.apply(self.index, "down", act, out)
         return out, residual
 
 

@@ -50,7 +50,18 @@ def engine_args(spec: ServerSpec) -> list[str]:
         args += ["--max-model-len", str(spec.max_model_len)]
     if spec.root_path:  # the Ingress's prefix, which reaches the server as clients sent it
         args += ["--root-path", spec.root_path]
+    if spec.lora_adapters:
+        args += ["--enable-lora", "--max-loras", str(len(spec.lora_adapters)), "--max-lora-rank",
+                 str(spec.max_lora_rank), "--lora-modules", *(f"{a[0]}={lora_dir(a)}" for a in spec.lora_adapters)]
     return args + list(spec.extra_args)
+
+
+def lora_dir(adapter: tuple[str, str, str]) -> str:
+    """Where a LoRA adapter is in the engine container: its image volume's mount, or the file:// path."""
+    name, source, path = adapter
+    if source.startswith("file://"):
+        return source[len("file://"):]
+    return f"{MODEL_MOUNT}/lora/{name}/{path}".rstrip("/")
 
 
 def engine_env(spec: ServerSpec, p: Placement) -> list[dict]:
@@ -149,6 +160,11 @@ def pod_volumes(spec: ServerSpec) -> tuple[list[dict], list[dict]]:
     elif fetched(spec):  # the init container's download: kept across container restarts, not pod replacements
         volumes.append({"name": "model", "emptyDir": {"sizeLimit": f"{int(spec.size_gib * 1.25 * 1024) + 64}Mi"}})
         mounts.append({"name": "model", "mountPath": f"{MODEL_MOUNT}/fetched", "readOnly": True})
+    for i, (name, source, _) in enumerate(spec.lora_adapters):  # image:// adapters: image volumes too
+        if source.startswith("image://"):
+            volumes.append({"name": f"lora-{i}", "image": {"reference": source[len("image://"):],
+                                                           "pullPolicy": spec.pull_policy}})
+            mounts.append({"name": f"lora-{i}", "mountPath": f"{MODEL_MOUNT}/lora/{name}", "readOnly": True})
     return volumes, mounts
 
 

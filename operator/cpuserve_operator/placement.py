@@ -138,6 +138,8 @@ class ServerSpec:
     tolerations: tuple[dict, ...] = ()  # placement.tolerations: the pods', and the tainted nodes they may use
     api_key_secret: tuple[str, str] | None = None  # service.apiKeySecret: (Secret name, key) of the API key
     service_monitor: dict | None = None  # monitoring.serviceMonitor where enabled: {interval, labels}
+    lora_adapters: tuple[tuple[str, str, str], ...] = ()  # model.loraAdapters: (name, source, path)
+    max_lora_rank: int = 16        # engine.maxLoRARank
 
     @property
     def ranks(self) -> int:
@@ -160,6 +162,8 @@ class ServerSpec:
         # newer fields only where set, so that an operator upgrade leaves the hashes of servers
         # without them, and so their pods, as they were
         made_of.update({k: getattr(self, k) for k in ("root_path", "api_key_secret") if getattr(self, k)})
+        if self.lora_adapters:
+            made_of.update(lora_adapters=self.lora_adapters, max_lora_rank=self.max_lora_rank)
         blob = json.dumps(made_of, sort_keys=True, default=list)
         return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
@@ -202,7 +206,10 @@ def parse_spec(name: str, spec: dict, default_image: str = DEFAULT_ENGINE_IMAGE)
         port=int(svc.get("port", 8000)), ingress=ing, model_path=str(m.get("path", "")).strip("/"),
         model_sha256=str(m.get("sha256", "")).lower(), tolerations=tuple(p.get("tolerations", [])),
         api_key_secret=_secret_ref(svc.get("apiKeySecret")),
-        service_monitor=_service_monitor(spec.get("monitoring", {}).get("serviceMonitor", {})))
+        service_monitor=_service_monitor(spec.get("monitoring", {}).get("serviceMonitor", {})),
+        lora_adapters=tuple((a["name"], a["source"], str(a.get("path", "")).strip("/"))
+                            for a in m.get("loraAdapters", [])),
+        max_lora_rank=int(e.get("maxLoRARank", 16)))
 
 
 def _service_monitor(sm: dict) -> dict | None:

@@ -100,3 +100,21 @@ def test_bad_model_source_refused(cluster):
         "apiVersion": "cpuserve.dev/v1alpha1", "kind": "CPUModelServer", "metadata": {"name": "crd-src"},
         "spec": {"model": {"source": "ftp://host/model"}}}))
     assert r.returncode != 0 and "spec.model.source" in r.stderr
+
+
+def test_lora_adapters_are_checked_by_the_api_server(cluster):
+    def apply_adapters(adapters):
+        return cluster.kubectl("apply", "-f", "-", check=False, input=json.dumps({
+            "apiVersion": "cpuserve.dev/v1alpha1", "kind": "CPUModelServer", "metadata": {"name": "crd-lora"},
+            "spec": {"model": {"source": "packaged://smollm2", "servedName": "base", "loraAdapters": adapters}}}))
+    r = apply_adapters([{"name": "base", "source": "image://r/a:1"}])
+    assert r.returncode != 0 and "must differ from model.servedName" in r.stderr, r.stderr
+    r = apply_adapters([{"name": "a", "source": "file:///opt/a", "path": "x"}])
+    assert r.returncode != 0 and "loraAdapters[].path is for image:// sources" in r.stderr, r.stderr
+    r = apply_adapters([{"name": "a", "source": "pvc://c/a"}])
+    assert r.returncode != 0 and "spec.model.loraAdapters[0].source" in r.stderr, r.stderr
+    r = apply_adapters([{"name": "a", "source": "image://r/a:1"}, {"name": "a", "source": "image://r/b:1"}])
+    assert r.returncode != 0 and "Duplicate value" in r.stderr, r.stderr
+    assert apply_adapters([{"name": "a", "source": "image://r/a:1", "path": "lora"}]).returncode == 0
+    cluster.kubectl("delete", "cms", "crd-lora")
+

@@ -224,7 +224,9 @@ def test_generated_objects_pass_server_side_validation(cluster):
                  "monitoring": {"serviceMonitor": {"enabled": True, "interval": "1m30s", "labels": {"team": "ml"}}}},
                 {"model": {"source": "packaged://smollm2"}, "placement": {"strategy": "TensorParallel",
                                                                          "tensorParallelSize": 2}},
-                {"model": {"source": "image://registry.example/models/smollm2:q4", "path": "model.gguf"}},
+                {"model": {"source": "image://registry.example/models/smollm2:q4", "path": "model.gguf",
+                           "loraAdapters": [{"name": "sql", "source": "image://registry.example/lora/sql:1"},
+                                            {"name": "chat", "source": "file:///opt/lora/chat"}]}},
                 {"model": {"source": "https://models.example.com/m.gguf", "sha256": "ab" * 32}}):
         spec = parse_spec("dry", raw)
         (pl,) = plan(spec, [machine("n")]).placements

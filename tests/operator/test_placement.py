@@ -308,6 +308,23 @@ def test_a_service_monitor_only_where_asked_and_never_in_the_pods_hash():
     assert spec(monitoring={"serviceMonitor": {"enabled": False, "labels": {"a": "b"}}}).service_monitor is None
 
 
+def test_lora_adapters_are_mounted_and_named_to_the_engine():
+    plain = spec()
+    s = spec(model__loraAdapters=[{"name": "sql", "source": "image://reg.example/lora/sql:1", "path": "/adapter/"},
+                                  {"name": "chat", "source": "file:///opt/lora/chat"}], engine__maxLoRARank=32)
+    args = b.engine_args(s)
+    i = args.index("--enable-lora")
+    assert args[i:i + 8] == ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "32", "--lora-modules",
+                             "sql=/models/lora/sql/adapter", "chat=/opt/lora/chat"]
+    assert "--enable-lora" not in b.engine_args(plain)
+    volumes, mounts = b.pod_volumes(s)
+    assert {"name": "lora-0", "image": {"reference": "reg.example/lora/sql:1", "pullPolicy": "IfNotPresent"}} in volumes
+    assert {"name": "lora-0", "mountPath": "/models/lora/sql", "readOnly": True} in mounts
+    assert not any(v["name"] == "lora-1" for v in volumes)  # file://: in the engine image
+    assert s.hash() != plain.hash()  # adapters roll the pods
+    assert spec(engine__maxLoRARank=32).hash() == plain.hash()  # the rank alone, without adapters, does not
+
+
 def test_an_ingress_prefix_is_the_engines_root_path():
     """An Ingress passes /llm/v1/... on as the client sent it: the engine serves under the prefix
     (and at the root, for the Service's clients), and the endpoint names it."""

@@ -195,4 +195,7 @@ class EngineCore:
         s.prefix_cache_hits = self.block_manager.prefix_hits
         s.num_preemptions = self.scheduler.num_preemptions
         s.startup_work_pending = self.runner.idle_work.pending
+        if self.runner.loras:
+            s.running_loras = tuple(sorted({q.lora for q in self.scheduler.running if q.lora}))
+            s.waiting_loras = tuple(sorted({q.lora for q in self.scheduler.waiting if q.lora}))
         return s

@@ -117,6 +117,8 @@ class CoreStats:
     # until then the weights and the KV cache are not all on their huge pages. True until the
     # core says otherwise.
     startup_work_pending: bool = True
+    running_loras: tuple[str, ...] = ()  # the LoRA adapters of running requests, sorted
+    waiting_loras: tuple[str, ...] = ()  # and of waiting ones
     # by step kind (STEP_KINDS), since the start: steps, their wall seconds (scheduling, the model,
     # sampling and the outputs' bookkeeping) and the tokens they ran (prompt tokens + decode rows)
     kind_steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STEP_KINDS, 0))

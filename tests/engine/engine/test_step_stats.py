@@ -76,3 +76,19 @@ def test_startup_work_gauge_is_1_until_the_core_says_it_is_done():
     page = generate_latest(m.registry).decode()
     assert 'cpuserve:startup_work_pending{model_name="smollm2"} 0.0' in page and startup_pending(page) is False
     assert startup_pending("vllm:num_requests_running 0.0\n") is None
+
+
+def test_the_lora_info_metric_names_the_adapters_in_use_as_vllm_does():
+    from prometheus_client import generate_latest
+
+    from cpuserve.entrypoints.openai.metrics import Metrics
+    assert "lora_requests_info" not in generate_latest(Metrics("smollm2").registry).decode()  # LoRA off
+    m, s = Metrics("smollm2", max_loras=4), CoreStats()
+    s.running_loras, s.waiting_loras = ("chat", "sql"), ("sql",)
+    m.update_stats(s)
+    s.running_loras, s.waiting_loras = ("sql",), ()
+    m.update_stats(s)  # one series: the state now, not every state seen
+    lines = [x for x in generate_latest(m.registry).decode().splitlines() if x.startswith("vllm:lora_requests_info{")]
+    assert len(lines) == 1, lines
+    assert 'max_lora="4"' in lines[0] and 'running_lora_adapters="sql"' in lines[0]
+    assert 'waiting_lora_adapters=""' in lines[0]

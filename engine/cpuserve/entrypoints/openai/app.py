@@ -39,7 +39,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, opts: ServeOptions = 
     app = FastAPI(title="cpuserve", version=cpuserve.__version__, root_path=opts.root_path,
                   docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
                   openapi_url="/openapi.json" if docs else None)
-    app.state.server = ServerState(engine, served_model_name, Metrics(served_model_name), opts.api_key,
+    lora_slots = engine.config.max_loras if engine.config.enable_lora else None
+    app.state.server = ServerState(engine, served_model_name, Metrics(served_model_name, lora_slots), opts.api_key,
                                    tool_call_parser=opts.tool_call_parser,
                                    prompt_tokens_details=opts.prompt_tokens_details, force_usage=opts.force_usage,
                                    tokens_as_ids=opts.tokens_as_ids, log_requests=opts.log_requests,

@@ -18,7 +18,8 @@ _TOKENS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5) if m * 10 ** e 
 
 
 class Metrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, max_loras: int | None = None):
+        """`max_loras`: with LoRA adapters enabled, vLLM's vllm:lora_requests_info is kept too."""
         self.registry = CollectorRegistry()
         r, lbl = self.registry, ["model_name"]
         self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", lbl, registry=r)
@@ -68,6 +69,10 @@ class Metrics:
                                      "the KV cache's pages populated): a steady-state benchmark waits for 0",
                                      lbl, registry=r)
         self.labels = {"model_name": model_name}
+        self.max_loras = max_loras
+        if max_loras is not None:  # vLLM's info metric: the labels carry the state, the value when it was seen
+            self.lora_info = Gauge("vllm:lora_requests_info", "The LoRA adapters of running and waiting requests",
+                                   ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
         self.startup_pending.labels(**self.labels).set(1)  # until the core's first snapshot says
         for counter in (self.kind_steps, self.kind_seconds, self.kind_tokens):
             for k in STEP_KINDS:  # every kind's series from the start, at zero
@@ -84,6 +89,10 @@ class Metrics:
         self.kv_usage.labels(**L).set(s.kv_cache_usage)
         self.gpu_cache.labels(**L).set(s.kv_cache_usage)
         self.startup_pending.labels(**L).set(int(s.startup_work_pending))
+        if self.max_loras is not None:
+            self.lora_info.clear()
+            self.lora_info.labels(max_lora=str(self.max_loras), running_lora_adapters=",".join(s.running_loras),
+                                  waiting_lora_adapters=",".join(s.waiting_loras)).set(time.time())
         for key, counter, value in (("queries", self.prefix_queries, s.prefix_cache_queries),
                                     ("hits", self.prefix_hits, s.prefix_cache_hits),
                                     ("preempt", self.preemptions, s.num_preemptions),

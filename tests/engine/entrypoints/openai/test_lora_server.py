@@ -94,3 +94,12 @@ def test_runtime_updates_are_served_only_where_allowed(server):
     r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})
     assert r.status_code == 404
 
+
+def test_the_metrics_name_the_adapters_running(lora_server):
+    body = {"model": "sql", "prompt": PROMPT, "max_tokens": 64, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", lora_server.url + "/v1/completions", json=body, timeout=60) as r:
+        next(r.iter_lines())  # the request is running
+        page = httpx.get(lora_server.url + "/metrics").text
+    info = [x for x in page.splitlines() if x.startswith("vllm:lora_requests_info{")]
+    assert len(info) == 1 and 'running_lora_adapters="sql"' in info[0] and 'max_lora="8"' in info[0], info
+

@@ -74,8 +74,9 @@ class LLM:
                                      ids[a] + ids[b]) for a, b in todo]
 
     def _cross_scores(self, todo: list[tuple[str, str]]) -> list[ScoringRequestOutput]:
-        encoded = [self.engine.tokenizer.encode_pair(a, b) for a, b in todo]
         head = ClassifierHead.from_dir(self.engine.core.runner.model_dir, self.engine.config.hf_overrides)
+        head.check_scores()  # a multi-label classifier is refused before any pair runs
+        encoded = [self.engine.tokenizer.encode_pair(a, b) for a, b in todo]
         outs = self.engine.pool(encoded, "classify")
         return [ScoringRequestOutput(f"score-{next(self._ids)}", ScoringOutput(head.score(o.embedding)), ids)
                 for (ids, _), o in zip(encoded, outs)]

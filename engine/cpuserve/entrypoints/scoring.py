@@ -86,11 +86,17 @@ class ClassifierHead:
         best = max(range(len(logits)), key=lambda i: logits[i])
         return self.labels[best] if best < len(self.labels) else f"LABEL_{best}"
 
+    def check_scores(self, outputs: int | None = None) -> None:
+        """Scoring needs one output: checked on the config's labels before any pair runs, and on
+        the logits a pair got (`outputs`)."""
+        n = len(self.labels) if outputs is None else outputs
+        if n != 1:
+            raise PairingError(f"scoring needs a cross-encoder with one output; this classifier has {n} labels "
+                               "(use /classify)", "model")
+
     def score(self, logits: list[float]) -> float:
         """A pair's score: a cross-encoder's one output, activated."""
-        if len(logits) != 1:
-            raise PairingError(f"scoring needs a cross-encoder with one output; this classifier has {len(logits)} "
-                               "labels (use /classify)", "model")
+        self.check_scores(len(logits))
         return activate(logits, self.score_activation)[0]
 
 

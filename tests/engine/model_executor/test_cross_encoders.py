@@ -103,8 +103,10 @@ def test_a_multi_label_classifier_classifies_and_refuses_to_score(tmp_path):
         assert out.prompt_token_ids == tok(text)["input_ids"]
     head = ClassifierHead.from_dir(path)
     assert head.labels == ("negative", "neutral", "positive") and head.activation == "softmax"
+    steps = llm.engine.core.stats.steps
     with pytest.raises(ValueError, match="one output; this classifier has 3 labels"):
         llm.score("a", "b")
+    assert llm.engine.core.stats.steps == steps  # refused before any pair ran
 
 
 def test_an_embedding_model_is_not_a_classifier():

@@ -54,10 +54,11 @@ async def pair_scores(st: ServerState, request: Request, todo: list[tuple[str, s
     if st.engine.info.task == "classify":
         if len(todo) > MAX_INPUTS:
             raise APIError(400, f"at most {MAX_INPUTS} pairs, got {len(todo)}", param=param)
-        encoded = await asyncio.to_thread(lambda: [st.tokenizer.encode_pair(a, b) for a, b in todo])
         head = classifier_head(st)
-        outs = await embed_all(st, request, [ids for ids, _ in encoded], param, [t for _, t in encoded])
         try:
+            head.check_scores()  # a multi-label classifier is refused before any pair runs
+            encoded = await asyncio.to_thread(lambda: [st.tokenizer.encode_pair(a, b) for a, b in todo])
+            outs = await embed_all(st, request, [ids for ids, _ in encoded], param, [t for _, t in encoded])
             return [head.score(o.embedding) for o in outs], sum(o.num_tokens for o in outs)
         except PairingError as e:
             raise APIError(400, str(e), param=e.param) from None

@@ -10,15 +10,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from cpuserve.model_executor.lora import projection_shapes
+
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def shapes(cfg) -> dict[str, tuple[int, int]]:
-    """(out, in) of each projection of a Llama layer."""
-    h, head = cfg.hidden_size, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    q, kv, inter = cfg.num_attention_heads * head, cfg.num_key_value_heads * head, cfg.intermediate_size
-    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (inter, h),
-            "up_proj": (inter, h), "down_proj": (h, inter)}
 
 
 def make_adapter(out: Path, cfg, seed: int, modules=ALL, rank: int = 8, alpha: float = 16, rslora: bool = False,
@@ -28,7 +22,7 @@ def make_adapter(out: Path, cfg, seed: int, modules=ALL, rank: int = 8, alpha: f
     tensors = {}
     for i in layers if layers is not None else range(cfg.num_hidden_layers):
         for m in modules:
-            o, n = shapes(cfg)[m]
+            o, n = projection_shapes(cfg)[m]
             part = "self_attn" if m.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
             key = f"base_model.model.model.layers.{i}.{part}.{m}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n, generator=g) * n ** -0.5

@@ -74,7 +74,7 @@ def pack(adapter: LoRAAdapter, cfg) -> None:
 def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
     """(out, in) features of each projection of a Llama-style layer."""
     h = cfg.hidden_size
-    head = cfg.get("head_dim") or h // cfg.num_attention_heads
+    head = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
     q, kv, inter = cfg.num_attention_heads * head, cfg.num_key_value_heads * head, cfg.intermediate_size
     return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (inter, h),
             "up_proj": (inter, h), "down_proj": (h, inter)}

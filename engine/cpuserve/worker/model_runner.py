@@ -368,8 +368,10 @@ class ModelRunner:
         """Runs the model on the batch; returns the sequences that sampled, their tokens and logprobs."""
         decode = self.decode_inputs(batch)
         input_ids, ctx, samplers = decode or prepare_inputs(batch, self.block_size)
-        if self.loras:  # the adapters' rows; None (the native path) where the step has none
-            ctx.lora = lora_batch(self.loras, [s.lora for s in batch.seqs], ctx.query_start_loc.tolist())
+        # the adapters' rows; None (the native path) where the step has none, set on every step
+        # (a decode step's context is kept from step to step)
+        ctx.lora = lora_batch(self.loras, [s.lora for s in batch.seqs], ctx.query_start_loc.tolist()) \
+            if self.loras else None
         prompt_rows = [] if decode else prompt_logprob_rows(batch)
         if samplers and not prompt_rows and self.ranks is None and self.model.lm_head.greedy_copy is not None \
                 and self.sampler.plain(samplers):
